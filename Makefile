@@ -1,0 +1,30 @@
+# `make test` and `make demo` work on a fresh clone: they create .venv and install what they need.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp-install
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: pip takes the local CPU wheel, never a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+demo: $(STAMP)
+	$(BIN)/kvtier bench io
+
+bench: $(STAMP)
+	$(BIN)/kvtier bench io
+	$(BIN)/kvtier bench keys
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build src/*.egg-info

@@ -1,0 +1,141 @@
+"""Content-addressed chunk keys.
+
+A token sequence is cut into fixed chunks of ``chunk_tokens`` tokens; only full chunks get keys
+(the tail shorter than a chunk is always recomputed). The key of chunk ``i`` is a 128-bit
+XXH3 hash chained over ``(key of chunk i-1, namespace digest, token ids of chunk i)``, so a key
+names the whole prefix up to and including its chunk, and two sequences share chunk ``i`` only if
+they share every token before it and the namespace.
+
+The namespace holds what makes KV bytes differ for the same tokens: the model fingerprint, the
+KV layout fingerprint and an optional tenant salt. Token ids are hashed as little-endian int64,
+so keys are identical across processes and machines (never Python's ``hash()``, which is salted
+per process).
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16 raw bytes; use ``key.hex()`` for display and file names."""
+
+KEY_BYTES = 16
+ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
+"""The parent of the first chunk of every sequence."""
+
+_TOKEN_DTYPE = np.dtype("<i8")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What, besides the tokens, determines a chunk's KV bytes.
+
+    ``model`` is a fingerprint of the weights (a name and revision at least), ``layout`` the
+    :attr:`KVLayout.fingerprint`, ``tenant`` a salt that keeps tenants apart (empty: shared).
+    """
+
+    model: str
+    layout: str
+    tenant: str = ""
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("model", "layout", "tenant"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Namespace.{name} must be a str, got {type(getattr(self, name))}")
+        if not self.model:
+            raise ValueError("Namespace.model must not be empty")
+        if not self.layout:
+            raise ValueError("Namespace.layout must not be empty")
+        # Length-prefixed fields: ("ab", "c") and ("a", "bc") must not collide.
+        h = xxhash.xxh3_128(b"kvtier-ns-v1")
+        for part in (self.model, self.layout, self.tenant):
+            raw = part.encode()
+            h.update(len(raw).to_bytes(4, "little"))
+            h.update(raw)
+        object.__setattr__(self, "digest", h.digest())
+
+    def with_tenant(self, tenant: str) -> Namespace:
+        return Namespace(self.model, self.layout, tenant)
+
+
+def to_token_array(tokens: object) -> np.ndarray:
+    """Return ``tokens`` as a 1-D little-endian int64 array, or raise naming the problem.
+
+    Accepts a sequence of Python ints, a NumPy integer array or a torch integer tensor
+    (anything with ``.numpy()``). Floats, bools, strings and negative ids are rejected.
+    """
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):
+        if getattr(tokens, "is_floating_point", lambda: False)() or str(tokens.dtype) == "torch.bool":
+            raise TypeError(f"tokens must be integers, got a tensor of {tokens.dtype}")
+        arr = tokens.detach().cpu().numpy()  # type: ignore[attr-defined]
+    elif isinstance(tokens, (str, bytes)):
+        raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}")
+    elif isinstance(tokens, Sequence):
+        try:
+            # array('q') is the fastest exact conversion of a list of ints and refuses floats.
+            arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+        except TypeError as exc:
+            bad = next((t for t in tokens if not isinstance(t, (int, np.integer))), None)
+            raise TypeError(
+                f"tokens must be integers, found {bad!r} of type {type(bad).__name__}"
+            ) from exc
+        except OverflowError as exc:
+            raise ValueError(f"token id out of int64 range: {exc}") from exc
+    else:
+        raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}")
+
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, found {int(arr.min())}")
+    if arr.dtype != _TOKEN_DTYPE:
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError("token id out of int64 range")
+        arr = arr.astype(_TOKEN_DTYPE)
+    return np.ascontiguousarray(arr)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunks:
+    """The full chunks of one token sequence and their chained keys."""
+
+    keys: list[ChunkKey]
+    chunk_tokens: int
+    num_tokens: int
+
+    @property
+    def covered_tokens(self) -> int:
+        """Tokens covered by full chunks (the tail is never cached)."""
+        return len(self.keys) * self.chunk_tokens
+
+
+def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int) -> TokenChunks:
+    """Cut ``tokens`` into full chunks and compute their chained keys."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    arr = to_token_array(tokens)
+    if sys.byteorder != "little":  # pragma: no cover - keys must not depend on the host
+        arr = arr.byteswap().view(arr.dtype.newbyteorder())
+    raw = memoryview(arr).cast("B")
+    step = chunk_tokens * _TOKEN_DTYPE.itemsize
+    n_full = arr.size // chunk_tokens
+    ns = namespace.digest
+    parent = ROOT_KEY
+    keys: list[ChunkKey] = []
+    digest = xxhash.xxh3_128_digest
+    for i in range(n_full):
+        parent = ChunkKey(digest(b"".join((parent, ns, raw[i * step : (i + 1) * step]))))
+        keys.append(parent)
+    return TokenChunks(keys=keys, chunk_tokens=chunk_tokens, num_tokens=int(arr.size))

@@ -1,0 +1,406 @@
+"""KVStore: the facade an engine talks to.
+
+    store = KVStore(StoreConfig(model="llama-3-8b@abc", layout=layout,
+                                host=HostTierConfig(8 << 30), disk=DiskTierConfig("/ssd/kv", 200 << 30)))
+    hit = store.lookup(tokens)                 # how many tokens are cached, and where
+    loaded = store.load(hit)                   # per-layer (K, V) for the first loaded.tokens tokens
+    store.save(tokens, kv)                     # new full chunks go to DRAM
+
+Tiers are ordered fastest first (host DRAM, then SSD). A chunk saved goes to DRAM; when DRAM is
+full the policy's victim is demoted to SSD (written there unless SSD already holds it) rather
+than dropped; when SSD is full its victim is dropped. A chunk loaded from SSD is promoted to
+DRAM (keeping its SSD copy). Everything read is pinned in its tier for the duration of the copy.
+
+Failure contract: a chunk that cannot be read (missing file, checksum mismatch) ends the prefix
+at that chunk: ``load`` returns fewer tokens than ``lookup`` promised, never wrong bytes, and the
+damage is counted in the tier's stats. Bad arguments raise before anything is changed.
+
+Thread-safety: every public method takes the store's lock; calls may come from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.core.index import ChunkIndex
+from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
+from kvtier.core.layout import KVLayout
+from kvtier.core.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.tiers.base import Reservation, Tier, TierFullError
+from kvtier.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    model: str
+    """Fingerprint of the model's weights (name and revision); part of every key."""
+    layout: KVLayout
+    host: HostTierConfig
+    disk: DiskTierConfig | None = None
+    policy: str = "lru"
+    tenant: str = ""
+    """Default tenant salt; chunks are shared only between callers with the same salt."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("StoreConfig.model must be a non-empty string")
+        if not isinstance(self.layout, KVLayout):
+            raise TypeError("StoreConfig.layout must be a KVLayout")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest cached prefix of a token sequence."""
+
+    num_tokens: int
+    hit_tokens: int
+    keys: list[ChunkKey]
+    tiers: list[str]
+    """Name of the fastest tier holding each hit chunk."""
+
+    @property
+    def tier_tokens(self) -> dict[str, int]:
+        chunk = self.hit_tokens // len(self.keys) if self.keys else 0
+        return {name: n * chunk for name, n in Counter(self.tiers).items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """KV for the first ``tokens`` tokens (may be fewer than the lookup promised)."""
+
+    tokens: int
+    kv: list[LayerKV]
+    tiers: list[str]
+    """Tier each loaded chunk was read from."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int
+    """New chunks written."""
+    present: int
+    """Chunks already held (by this or any earlier sequence: stored once)."""
+    dropped: int
+    """Chunks that found no room (every resident chunk pinned)."""
+
+
+@dataclass(slots=True)
+class StoreStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hits: Counter[str] = field(default_factory=Counter)
+    """Per tier: looked-up chunks whose fastest copy was in that tier."""
+    misses: Counter[str] = field(default_factory=Counter)
+    """Per tier: looked-up full chunks that tier did not serve (found lower, or nowhere)."""
+    loaded_tokens: Counter[str] = field(default_factory=Counter)
+    saved_chunks: int = 0
+    dedup_chunks: int = 0
+    dropped_chunks: int = 0
+    evictions: Counter[str] = field(default_factory=Counter)
+    demotions: int = 0
+    promotions: int = 0
+    load_failures: int = 0
+
+
+class KVStore:
+    """Chunk-keyed KV cache over a host DRAM tier and an optional SSD tier."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.layout = config.layout
+        self._lock = threading.RLock()
+        self._namespaces: dict[str, Namespace] = {}
+        host = HostTier(config.host, slot_bytes=self.layout.chunk_bytes)
+        self.tiers: list[Tier] = [host]
+        try:
+            if config.disk is not None:
+                self.tiers.append(DiskTier(config.disk))
+        except BaseException:
+            host.close()
+            raise
+        self.host = host
+        for tier in self.tiers:
+            need = tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
+            if need > tier.capacity:
+                self.close()
+                raise ValueError(
+                    f"{tier.name} capacity of {tier.capacity} bytes cannot hold one chunk "
+                    f"({need} bytes for {self.layout.chunk_tokens} tokens of this layout)"
+                )
+        self.index = ChunkIndex()
+        self.policies: list[EvictionPolicy] = [make_policy(config.policy) for _ in self.tiers]
+        self.stats = StoreStats()
+        for level, tier in enumerate(self.tiers):
+            for key in tier.keys():  # persistent tiers come back with their chunks, oldest first
+                self.index.add(key, level)
+                self.policies[level].insert(key)
+            while tier.used > tier.capacity and self._evict(level):
+                pass
+
+    # -- keys ---------------------------------------------------------------------------------
+    def namespace(self, tenant: str | None = None) -> Namespace:
+        tenant = self.config.tenant if tenant is None else tenant
+        ns = self._namespaces.get(tenant)
+        if ns is None:
+            ns = Namespace(self.config.model, self.layout.fingerprint, tenant)
+            self._namespaces[tenant] = ns
+        return ns
+
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup(self, tokens: object, *, tenant: str | None = None) -> LookupResult:
+        """Longest run of cached chunks from the first. Raises TypeError/ValueError on bad tokens."""
+        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens)
+        with self._lock:
+            hit = self.index.longest_prefix(chunks.keys)
+            self._touch(hit.keys)
+            st = self.stats
+            st.lookups += 1
+            st.lookup_tokens += chunks.num_tokens
+            st.hit_tokens += len(hit) * chunks.chunk_tokens
+            absent = len(chunks.keys) - len(hit)
+            for level, tier in enumerate(self.tiers):
+                served = hit.levels.count(level)
+                st.hits[tier.name] += served
+                st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
+        return LookupResult(
+            num_tokens=chunks.num_tokens,
+            hit_tokens=len(hit) * chunks.chunk_tokens,
+            keys=hit.keys,
+            tiers=[self.tiers[lvl].name for lvl in hit.levels],
+        )
+
+    # -- load ---------------------------------------------------------------------------------
+    def load(
+        self,
+        hit: LookupResult,
+        out: Sequence[LayerKV] | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> LoadResult:
+        """Read the KV of ``hit``'s chunks.
+
+        ``out``: per-layer tensors to fill (``[heads, >= hit_tokens, head_dim]``, any device);
+        by default new tensors on ``device`` (CPU) are returned. ``layers``: only these layers
+        (others of ``out`` are left untouched). Chunks on SSD are promoted to DRAM.
+        """
+        layout = self.layout
+        c = layout.chunk_tokens
+        wanted = list(range(layout.num_layers)) if layers is None else list(layers)
+        for layer in wanted:
+            layout.layer_offset(layer)  # raises IndexError on a bad layer
+        if out is None:
+            buf = torch.empty(
+                (layout.num_layers, layout.kv, layout.num_kv_heads, hit.hit_tokens, layout.head_dim),
+                dtype=torch_dtype(layout),
+                device=device,
+            )
+            out = [tuple(buf[layer].unbind(0)) for layer in range(layout.num_layers)]
+        else:
+            out, got = check_kv(out, layout)
+            if got < hit.hit_tokens:
+                raise ValueError(f"out holds {got} tokens, the hit has {hit.hit_tokens}")
+        loaded_from: list[str] = []
+        with self._lock:
+            for i, key in enumerate(hit.keys):
+                source = self._read_chunk(key, out, i, wanted)
+                if source is None:
+                    self.stats.load_failures += 1
+                    break
+                loaded_from.append(source)
+            self._touch(hit.keys[: len(loaded_from)])
+            for name in loaded_from:
+                self.stats.loaded_tokens[name] += c
+        tokens = len(loaded_from) * c
+        kv = [tuple(t[:, :tokens] for t in pair) for pair in out]
+        return LoadResult(tokens=tokens, kv=kv, tiers=loaded_from)
+
+    def _read_chunk(self, key: ChunkKey, out: Sequence[LayerKV], i: int, layers: list[int]) -> str | None:
+        """Copy chunk ``key`` into position ``i`` of ``out``; the tier read from, or None."""
+        layout = self.layout
+        while (level := self.index.fastest(key)) is not None:
+            tier = self.tiers[level]
+            if level > 0 and self._promote(key, level):
+                level, tier = 0, self.tiers[0]
+            with tier.pinned(key) as held:
+                if held and level == 0:
+                    raw = self.host.view(key)
+                    for layer in layers:
+                        lo = layout.layer_offset(layer)
+                        unpack_layer(raw[lo : lo + layout.layer_bytes], out[layer], i, layout)
+                    return tier.name
+                if held:
+                    ok = True
+                    for layer in layers:
+                        raw = tier.get(key, offset=layout.layer_offset(layer), length=layout.layer_bytes)
+                        if raw is None:
+                            ok = False
+                            break
+                        unpack_layer(raw, out[layer], i, layout)
+                    if ok:
+                        return tier.name
+            self._forget(key, level)
+        return None
+
+    def _promote(self, key: ChunkKey, level: int) -> bool:
+        """Copy a chunk from ``level`` into DRAM. False if there is no room or the read fails."""
+        src = self.tiers[level]
+        # Pinned first: making room in DRAM demotes into lower tiers, which must not evict it.
+        with src.pinned(key) as held:
+            if not held:
+                return False
+            try:
+                res = self._reserve(0, key, src.entry_bytes(key) or 0)
+            except TierFullError:
+                return False
+            ok = src.get(key, out=res.buffer) is not None
+            self.host.commit(res, ok=ok)
+        if not ok:
+            self._forget(key, level)
+            return False
+        self.index.add(key, 0)
+        self.policies[0].insert(key)
+        self.stats.promotions += 1
+        return True
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, tokens: object, kv: Sequence[Sequence[torch.Tensor]], *, tenant: str | None = None) -> SaveResult:
+        """Store the full chunks of ``tokens`` not held yet. ``kv[layer]`` is ``(K, V)`` covering
+        the first ``T <= len(tokens)`` tokens; chunks beyond ``T`` are not saved."""
+        layers, kv_tokens = check_kv(kv, self.layout)
+        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens)
+        if kv_tokens > chunks.num_tokens:
+            raise ValueError(f"kv covers {kv_tokens} tokens but only {chunks.num_tokens} tokens were given")
+        keys = chunks.keys[: kv_tokens // self.layout.chunk_tokens]
+        stored = present = dropped = 0
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self.index:
+                    present += 1
+                    continue
+                try:
+                    res = self._reserve(0, key, self.layout.chunk_bytes)
+                except TierFullError:
+                    dropped += len(keys) - i  # a later chunk without this one could never hit
+                    break
+                try:
+                    pack_chunk(res.buffer, layers, i, self.layout)
+                except BaseException:
+                    self.host.commit(res, ok=False)
+                    raise
+                self.host.commit(res)
+                self.index.add(key, 0)
+                self.policies[0].insert(key)
+                stored += 1
+            self._touch(keys)
+            self.stats.saved_chunks += stored
+            self.stats.dedup_chunks += present
+            self.stats.dropped_chunks += dropped
+        return SaveResult(stored=stored, present=present, dropped=dropped)
+
+    # -- placement ----------------------------------------------------------------------------
+    def _reserve(self, level: int, key: ChunkKey, nbytes: int) -> Reservation:
+        """Reserve in tier ``level``, evicting its victims until it fits. TierFullError if
+        everything left is pinned."""
+        tier = self.tiers[level]
+        while True:
+            try:
+                return tier.reserve(key, nbytes, self.layout.layer_bytes)
+            except TierFullError:
+                if not self._evict(level):
+                    raise
+
+    def _evict(self, level: int) -> bool:
+        """Evict one chunk from tier ``level`` (demoting it to the next tier). False if none can go."""
+        tier = self.tiers[level]
+        key = self.policies[level].victim(lambda k: not tier.is_pinned(k))
+        if key is None:
+            return False
+        lower = level + 1
+        if lower < len(self.tiers) and not self.index.holds(key, lower):
+            with tier.pinned(key):
+                self._demote(key, level, lower)
+        tier.delete(key)
+        self.index.discard(key, level)
+        self.policies[level].remove(key)
+        self.stats.evictions[tier.name] += 1
+        return True
+
+    def _demote(self, key: ChunkKey, level: int, lower: int) -> None:
+        size = self.tiers[level].entry_bytes(key) or 0
+        try:
+            res = self._reserve(lower, key, size)
+        except TierFullError:
+            return
+        ok = self.tiers[level].get(key, out=res.buffer) is not None
+        if self.tiers[lower].commit(res, ok=ok):
+            self.index.add(key, lower)
+            self.policies[lower].insert(key)
+            self.stats.demotions += 1
+
+    def _forget(self, key: ChunkKey, level: int) -> None:
+        """The tier lost the chunk (damage found on read): drop it from the index."""
+        self.index.discard(key, level)
+        self.policies[level].remove(key)
+        tier = self.tiers[level]
+        if tier.contains(key) and not tier.is_pinned(key):
+            tier.delete(key)
+
+    def _touch(self, keys: list[ChunkKey]) -> None:
+        for policy in self.policies:
+            policy.touch(keys)
+
+    # -- introspection ------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, object]:
+        """Capacity, use and counters per tier, and the store's own counters."""
+        with self._lock:
+            s = self.stats
+            return {
+                "tiers": {
+                    t.name: {
+                        "capacity_bytes": t.capacity,
+                        "used_bytes": t.used,
+                        "chunks": self.index.count(level),
+                        "hits": s.hits[t.name],
+                        "misses": s.misses[t.name],
+                        "evictions": s.evictions[t.name],
+                        "io": t.stats.as_dict(),
+                    }
+                    for level, t in enumerate(self.tiers)
+                },
+                "lookups": s.lookups,
+                "lookup_tokens": s.lookup_tokens,
+                "hit_tokens": s.hit_tokens,
+                "loaded_tokens": dict(s.loaded_tokens),
+                "saved_chunks": s.saved_chunks,
+                "dedup_chunks": s.dedup_chunks,
+                "dropped_chunks": s.dropped_chunks,
+                "demotions": s.demotions,
+                "promotions": s.promotions,
+                "load_failures": s.load_failures,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,1 @@
+"""Storage tiers behind one contract (:mod:`kvtier.tiers.base`)."""

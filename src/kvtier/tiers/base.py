@@ -1,0 +1,235 @@
+"""The contract every tier implements: bytes in, bytes out, keyed by :data:`ChunkKey`.
+
+Lifecycle of an entry (Mooncake's PutStart/PutEnd, vLLM's prepare/complete_store):
+
+1. ``reserve(key, nbytes)`` takes space and returns a :class:`Reservation` whose ``buffer`` the
+   caller fills. The entry is invisible to ``contains``/``get`` until committed. Raises
+   :class:`TierFullError` when the tier has no room: the caller evicts and tries again.
+2. ``commit(reservation, ok)`` makes it visible (``ok=True``) or releases everything
+   (``ok=False``). A commit that fails (an I/O error) also leaves nothing behind and returns False.
+
+Reading: ``get`` copies bytes out and returns None on a miss. A miss caused by damage (missing
+file, checksum mismatch) is logged and counted in :attr:`Tier.stats` and the damaged entry is
+dropped; wrong bytes are never returned.
+
+Pinning: ``pin(key)`` keeps an entry from being deleted (``delete`` raises
+:class:`EntryPinnedError`) until the matching ``unpin``. Pins nest. The store pins what it reads
+so that a concurrent eviction cannot pull an entry out from under a reader.
+
+Tiers are thread-safe. Buffers are torch ``uint8`` tensors so that copies use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+
+PAGE = 4096
+
+
+class TierFullError(Exception):
+    """The tier has no room for the entry now; evict something and try again."""
+
+
+class EntryPinnedError(Exception):
+    """The entry is pinned by a reader and cannot be deleted now."""
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    writes: int = 0
+    deletes: int = 0
+    errors: int = 0
+    """I/O failures and damaged entries (each also a miss when found on read)."""
+    corrupt: int = 0
+    """Entries whose bytes failed their checksum or header checks."""
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Space taken for one entry; fill ``buffer`` then pass this to ``commit``."""
+
+    key: ChunkKey
+    nbytes: int
+    segment_bytes: int
+    buffer: torch.Tensor
+    slot: object = None
+    """Tier-private handle (a slot index, a staging buffer)."""
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return -(-n // align) * align
+
+
+def as_byte_tensor(data: object) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor, array or buffer, without copying when possible."""
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise ValueError("tier data must be contiguous")
+        return data.reshape(-1).view(torch.uint8)
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        return torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def check_key(key: object) -> ChunkKey:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise TypeError(f"a chunk key is {KEY_BYTES} bytes, got {key!r:.40}")
+    return ChunkKey(key)
+
+
+class Tier(ABC):
+    """Capacity-bounded key -> bytes storage with two-step writes and pinning."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pins: dict[ChunkKey, int] = {}
+        self.stats = TierStats()
+
+    # -- size ---------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Bytes this tier may hold, entries' overhead included."""
+
+    @property
+    @abstractmethod
+    def used(self) -> int:
+        """Bytes charged to committed and reserved entries."""
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @abstractmethod
+    def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
+        """Bytes an entry of ``nbytes`` is charged (slot rounding, headers)."""
+
+    # -- writes -------------------------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+        """Take space for ``key``. ``segment_bytes`` splits the entry into independently
+        checksummed, independently readable parts (one layer of a chunk); default: one part.
+
+        Raises TierFullError (no room now), ValueError (``nbytes`` invalid or beyond this tier's
+        capacity, ``key`` already stored or being written)."""
+
+    @abstractmethod
+    def commit(self, reservation: Reservation, ok: bool = True) -> bool:
+        """Publish (``ok``) or abandon the reservation. Returns whether the entry is now stored."""
+
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+        """Reserve, copy ``data`` in and commit. Raises like :meth:`reserve`."""
+        src = as_byte_tensor(data)
+        res = self.reserve(key, src.numel(), segment_bytes)
+        try:
+            res.buffer.copy_(src)
+        except BaseException:
+            self.commit(res, ok=False)
+            raise
+        return self.commit(res, ok=True)
+
+    # -- reads --------------------------------------------------------------------------------
+    @abstractmethod
+    def get(
+        self,
+        key: ChunkKey,
+        out: torch.Tensor | None = None,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> torch.Tensor | None:
+        """Bytes ``[offset, offset+length)`` of the entry (all of it by default), copied into
+        ``out`` (a ``uint8`` tensor of that length) or into a new tensor. None on a miss; then
+        the content of ``out`` is unspecified."""
+
+    @abstractmethod
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    @abstractmethod
+    def entry_bytes(self, key: ChunkKey) -> int | None:
+        """Size of a committed entry, None if absent."""
+
+    @abstractmethod
+    def keys(self) -> list[ChunkKey]:
+        """Committed keys, oldest first."""
+
+    # -- deletes ------------------------------------------------------------------------------
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove a committed entry. False if absent; EntryPinnedError if pinned."""
+        with self._lock:
+            if self._pins.get(key):
+                raise EntryPinnedError(f"{self.name}: chunk {key.hex()} is pinned by a reader")
+            removed = self._delete_unpinned(key)
+            if removed:
+                self.stats.deletes += 1
+            return removed
+
+    @abstractmethod
+    def _delete_unpinned(self, key: ChunkKey) -> bool: ...
+
+    # -- pins ---------------------------------------------------------------------------------
+    def pin(self, key: ChunkKey) -> bool:
+        """Pin a committed entry against deletion. False (and no pin) if absent."""
+        with self._lock:
+            if not self.contains(key):
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count <= 0:
+                raise ValueError(f"{self.name}: unpin of chunk {key.hex()} that is not pinned")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return bool(self._pins.get(key))
+
+    @contextlib.contextmanager
+    def pinned(self, key: ChunkKey) -> Iterator[bool]:
+        """``with tier.pinned(key) as held:`` -- held is False if the entry is absent."""
+        held = self.pin(key)
+        try:
+            yield held
+        finally:
+            if held:
+                self.unpin(key)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Committed entries of persistent tiers stay."""
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,27 @@
+import logging
+
+import pytest
+import torch
+
+from kvtier.core.layout import KVLayout
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    # 4 layers x (K, V) x 2 heads x 16 tokens x 32 dims x 4 bytes = 4 KiB a layer, 16 KiB a chunk.
+    return KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=16)
+
+
+def make_kv(layout: KVLayout, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic per-layer (K, V), each [heads, tokens, head_dim]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.num_kv_heads, tokens, layout.head_dim)
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(layout.num_layers)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _kvtier_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier")

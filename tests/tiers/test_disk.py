@@ -1,0 +1,192 @@
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvtier.tiers.disk import DiskTier, DiskTierConfig, header_len_for
+
+from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
+
+
+class TestDiskTierContract(TierContract):
+    @pytest.fixture(autouse=True)
+    def _dir(self, tmp_path):
+        self.dir = tmp_path / "ssd"
+
+    def make_tier(self, capacity_entries: int) -> DiskTier:
+        per_entry = header_len_for(ENTRY // SEGMENT) + ENTRY
+        return DiskTier(DiskTierConfig(str(self.dir), capacity_entries * per_entry))
+
+
+class TestDiskTierContractBuffered(TestDiskTierContract):
+    """The same contract with the page cache and with fsync."""
+
+    def make_tier(self, capacity_entries: int) -> DiskTier:
+        per_entry = header_len_for(ENTRY // SEGMENT) + ENTRY
+        return DiskTier(DiskTierConfig(str(self.dir), capacity_entries * per_entry, fsync=True, o_direct=False))
+
+
+def open_tier(path, capacity=1 << 30, **kw) -> DiskTier:
+    return DiskTier(DiskTierConfig(str(path), capacity, **kw))
+
+
+def chunk_file(tier: DiskTier, i: int) -> str:
+    return tier._path(key(i))
+
+
+def test_a_reopened_directory_serves_every_chunk_byte_for_byte(tmp_path):
+    with open_tier(tmp_path) as tier:
+        for i in range(5):
+            tier.put(key(i), data(i), SEGMENT)
+        used = tier.used
+    with open_tier(tmp_path) as tier:
+        assert tier.keys() == [key(i) for i in range(5)]  # oldest first
+        assert tier.used == used
+        for i in range(5):
+            assert torch.equal(tier.get(key(i)), data(i))
+
+
+def test_one_corrupted_byte_is_a_counted_miss_never_wrong_bytes(tmp_path, caplog):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        tier.put(key(2), data(2), SEGMENT)
+        path = chunk_file(tier, 1)
+        with open(path, "r+b") as f:  # flip one payload byte in segment 2
+            pos = header_len_for(4) + 2 * SEGMENT + 17
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x01]))
+        # the untouched segments of the damaged chunk still verify on their own
+        assert torch.equal(tier.get(key(1), offset=0, length=SEGMENT), data(1)[:SEGMENT])
+        assert tier.get(key(1)) is None
+        assert tier.stats.corrupt == 1 and tier.stats.errors == 1 and tier.stats.misses == 1
+        assert "checksum mismatch in segment 2" in caplog.text
+        assert not tier.contains(key(1)) and not os.path.exists(path)
+        assert torch.equal(tier.get(key(2)), data(2))  # nothing else lost
+
+
+def test_missing_and_truncated_files_are_misses(tmp_path):
+    with open_tier(tmp_path) as tier:
+        for i in range(3):
+            tier.put(key(i), data(i), SEGMENT)
+        os.unlink(chunk_file(tier, 0))
+        os.truncate(chunk_file(tier, 1), header_len_for(4) + SEGMENT)
+        assert tier.get(key(0)) is None
+        assert tier.get(key(1)) is None
+        assert tier.stats.errors == 2 and not tier.contains(key(0)) and not tier.contains(key(1))
+        assert torch.equal(tier.get(key(2)), data(2))
+
+
+def test_damaged_files_are_dropped_on_reopen(tmp_path):
+    with open_tier(tmp_path) as tier:
+        for i in range(4):
+            tier.put(key(i), data(i), SEGMENT)
+        paths = [chunk_file(tier, i) for i in range(4)]
+    with open(paths[0], "r+b") as f:  # header damage
+        f.seek(40)
+        f.write(b"\xff\xff")
+    os.truncate(paths[1], 4096 + 100)  # truncated payload
+    os.rename(paths[2], paths[2].replace(key(2).hex(), key(9).hex()))  # name does not match key
+    with open_tier(tmp_path) as tier:
+        assert tier.keys() == [key(3)]
+        assert tier.stats.corrupt == 3
+        assert all(not os.path.exists(p) for p in paths[:2])
+
+
+def test_o_direct_falls_back_cleanly_where_unsupported(tmp_path, monkeypatch, caplog):
+    # Fault injection: a filesystem that refuses O_DIRECT at open (as older tmpfs, FUSE do).
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with open_tier(tmp_path, o_direct=True) as tier:
+        assert tier.put(key(1), data(1), SEGMENT)
+        assert not tier.direct_io
+        assert torch.equal(tier.get(key(1)), data(1))
+    assert "O_DIRECT not supported" in caplog.text
+
+
+def test_direct_io_reads_into_an_aligned_buffer_and_an_unaligned_one(tmp_path):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        aligned = torch.empty(ENTRY + 4096, dtype=torch.uint8)
+        off = (-aligned.data_ptr()) % 4096
+        out = aligned[off : off + ENTRY]
+        assert torch.equal(tier.get(key(1), out=out), data(1))
+        odd = torch.empty(ENTRY + 1, dtype=torch.uint8)[1:]
+        assert torch.equal(tier.get(key(1), out=odd), data(1))
+
+
+def test_unwritable_directory_and_bad_config_raise_clearly(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="not writable"):
+        open_tier(afile / "cache")
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskTierConfig(str(tmp_path), 0)
+    with pytest.raises(ValueError, match="path"):
+        DiskTierConfig("", 100)
+
+
+def test_one_process_owns_a_directory(tmp_path):
+    with open_tier(tmp_path):
+        with pytest.raises(ValueError, match="in use by another process"):
+            open_tier(tmp_path)
+    open_tier(tmp_path).close()  # free again once closed
+
+
+WRITER = r"""
+import sys, torch
+from kvtier.tiers.disk import DiskTier, DiskTierConfig
+tier = DiskTier(DiskTierConfig(sys.argv[1], 1 << 40))
+base = torch.randint(0, 256, (int(sys.argv[2]),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+i = 0
+while True:
+    base[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
+    assert tier.put(i.to_bytes(16, "little"), base, 1 << 20)
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def expected_bytes(i: int, n: int) -> torch.Tensor:
+    base = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    base[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
+    return base
+
+
+@pytest.mark.slow
+def test_sigkill_mid_write_keeps_exactly_the_completed_chunks(tmp_path):
+    size = 8 << 20
+    partial_seen = 0
+    for round_ in range(4):
+        d = tmp_path / f"r{round_}"
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d), str(size)], stdout=subprocess.PIPE, text=True)
+        reported = []
+        while len(reported) < 3 + round_:
+            line = proc.stdout.readline()
+            assert line, "writer died"
+            reported.append(int(line))
+        time.sleep(0.002 * round_)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reported += [int(x) for x in proc.stdout.read().split()]
+        partial_seen += len(os.listdir(d / "tmp")) > 0
+        with open_tier(d) as tier:
+            present = sorted(int.from_bytes(k, "little") for k in tier.keys())
+            # every reported chunk is there; at most the one in flight was also completed
+            assert set(reported) <= set(present) <= set(reported) | {max(reported) + 1}
+            for i in present:
+                assert torch.equal(tier.get(key(i)), expected_bytes(i, size)), f"chunk {i} differs"
+            assert os.listdir(d / "tmp") == []  # partial files cleaned up
+    assert partial_seen > 0, "no kill landed mid-write; the test did not exercise a partial file"

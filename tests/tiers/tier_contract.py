@@ -1,0 +1,164 @@
+"""The contract every tier passes (cachetools' CacheTestMixin pattern).
+
+A test module subclasses :class:`TierContract` and provides ``make_tier(capacity_entries)``,
+returning a tier that holds at least ``capacity_entries`` entries of ``ENTRY`` bytes and not
+more than ``capacity_entries``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvtier.tiers.base import EntryPinnedError, Tier, TierFullError
+
+ENTRY = 16384
+SEGMENT = 4096
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def data(i: int, n: int = ENTRY) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+
+
+class TierContract:
+    def make_tier(self, capacity_entries: int) -> Tier:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def tier(self):
+        t = self.make_tier(4)
+        yield t
+        t.close()
+
+    def test_put_then_get_returns_the_same_bytes(self, tier):
+        assert tier.put(key(1), data(1), SEGMENT)
+        assert tier.contains(key(1))
+        assert tier.entry_bytes(key(1)) == ENTRY
+        assert torch.equal(tier.get(key(1)), data(1))
+        assert tier.keys() == [key(1)]
+        assert tier.used >= ENTRY and tier.used <= tier.capacity
+        assert tier.stats.writes == 1 and tier.stats.hits == 1
+
+    def test_get_a_range_into_a_buffer(self, tier):
+        tier.put(key(1), data(1), SEGMENT)
+        out = torch.empty(SEGMENT + 100, dtype=torch.uint8)
+        assert tier.get(key(1), out=out, offset=SEGMENT - 50, length=SEGMENT + 100) is out
+        assert torch.equal(out, data(1)[SEGMENT - 50 : 2 * SEGMENT + 50])
+        seg2 = tier.get(key(1), offset=2 * SEGMENT, length=SEGMENT)
+        assert torch.equal(seg2, data(1)[2 * SEGMENT : 3 * SEGMENT])
+        with pytest.raises(ValueError, match="outside"):
+            tier.get(key(1), offset=ENTRY - 10, length=20)
+
+    def test_a_miss_is_none_and_counted(self, tier):
+        assert tier.get(key(7)) is None
+        assert not tier.contains(key(7)) and tier.entry_bytes(key(7)) is None
+        assert tier.stats.misses == 1
+
+    def test_an_entry_being_written_is_invisible_until_committed(self, tier):
+        res = tier.reserve(key(1), ENTRY, SEGMENT)
+        res.buffer.copy_(data(1))
+        assert not tier.contains(key(1)) and tier.get(key(1)) is None
+        assert key(1) not in tier.keys()
+        assert tier.used > 0  # the space is taken
+        with pytest.raises(ValueError, match="already stored or being written"):
+            tier.reserve(key(1), ENTRY)
+        assert tier.commit(res)
+        assert torch.equal(tier.get(key(1)), data(1))
+
+    def test_an_abandoned_write_leaves_nothing_behind(self, tier):
+        res = tier.reserve(key(1), ENTRY, SEGMENT)
+        res.buffer.fill_(7)
+        assert tier.commit(res, ok=False) is False
+        assert not tier.contains(key(1)) and tier.used == 0 and tier.keys() == []
+        assert tier.put(key(1), data(1))  # the key is free again
+
+    def test_unusable_data_raises_and_leaves_nothing_behind(self, tier):
+        with pytest.raises(ValueError, match="contiguous"):
+            tier.put(key(2), data(2).view(128, 128).t(), SEGMENT)
+        assert not tier.contains(key(2)) and tier.used == 0
+
+    def test_storing_a_key_twice_is_refused_and_keeps_the_first(self, tier):
+        tier.put(key(1), data(1))
+        with pytest.raises(ValueError, match="already"):
+            tier.put(key(1), data(2))
+        assert torch.equal(tier.get(key(1)), data(1))
+
+    def test_full_tier_refuses_and_delete_frees_room(self, tier):
+        n = 0
+        while True:
+            try:
+                tier.put(key(n), data(n), SEGMENT)
+            except TierFullError:
+                break
+            n += 1
+        assert n >= 4
+        assert tier.used <= tier.capacity
+        assert len(tier) == n
+        assert tier.delete(key(0)) and not tier.contains(key(0))
+        assert tier.delete(key(0)) is False
+        assert tier.put(key(100), data(100), SEGMENT)
+        for i in range(1, n):
+            assert torch.equal(tier.get(key(i)), data(i))  # nothing else was lost
+
+    def test_a_pinned_entry_cannot_be_deleted(self, tier):
+        tier.put(key(1), data(1))
+        assert tier.pin(key(1)) and tier.pin(key(1))  # pins nest
+        with pytest.raises(EntryPinnedError, match="pinned"):
+            tier.delete(key(1))
+        tier.unpin(key(1))
+        with pytest.raises(EntryPinnedError):
+            tier.delete(key(1))
+        tier.unpin(key(1))
+        assert not tier.is_pinned(key(1))
+        assert tier.delete(key(1))
+
+    def test_pinning_something_absent_pins_nothing(self, tier):
+        assert tier.pin(key(5)) is False
+        with tier.pinned(key(5)) as held:
+            assert held is False
+        with pytest.raises(ValueError, match="not pinned"):
+            tier.unpin(key(5))
+
+    def test_bad_arguments_raise_and_change_nothing(self, tier):
+        tier.put(key(1), data(1))
+        with pytest.raises(ValueError, match="positive"):
+            tier.reserve(key(2), 0)
+        with pytest.raises(ValueError, match="larger than"):
+            tier.reserve(key(2), tier.capacity + 1)
+        with pytest.raises(TypeError, match="16 bytes"):
+            tier.reserve(b"short", ENTRY)
+        with pytest.raises(TypeError, match="16 bytes"):
+            tier.reserve("0123456789abcdef", ENTRY)  # type: ignore[arg-type]
+        assert tier.keys() == [key(1)] and torch.equal(tier.get(key(1)), data(1))
+
+    def test_concurrent_writers_and_readers(self, tier):
+        errors: list[BaseException] = []
+
+        def work(worker: int) -> None:
+            try:
+                for round_ in range(20):
+                    k = key(1000 * worker + round_)
+                    while True:
+                        try:
+                            tier.put(k, data(worker), SEGMENT)
+                            break
+                        except TierFullError:
+                            pass
+                    assert torch.equal(tier.get(k), data(worker))
+                    assert tier.delete(k)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert tier.used == 0 and tier.keys() == []
