@@ -340,13 +340,21 @@ class KVStore:
         return True
 
     def _demote(self, key: ChunkKey, level: int, lower: int) -> None:
-        size = self.tiers[level].entry_bytes(key) or 0
-        try:
-            res = self._reserve(lower, key, size)
-        except TierFullError:
+        """Copy a pinned chunk down a tier. The DRAM slot is handed to the lower tier as it
+        lies (zero-copy for the SSD tier); a failed or refused write just drops the chunk."""
+        src = self.tiers[level]
+        data = self.host.view(key) if level == 0 else src.get(key)
+        if data is None:
             return
-        ok = self.tiers[level].get(key, out=res.buffer) is not None
-        if self.tiers[lower].commit(res, ok=ok):
+        dst = self.tiers[lower]
+        while True:
+            try:
+                stored = dst.put(key, data, self.layout.layer_bytes)
+                break
+            except TierFullError:
+                if not self._evict(lower):
+                    return
+        if stored:
             self.index.add(key, lower)
             self.policies[lower].insert(key)
             self.stats.demotions += 1

@@ -4,7 +4,7 @@ File format (all integers little-endian)::
 
     header  (header_len bytes, a multiple of 4096)
         magic "KVTC", version u16, flags u16, header_len u32, key 16B,
-        payload_len u64, segment_bytes u64, n_segments u32,
+        payload_len u64, segment_bytes u64, n_segments u32, write sequence number u64,
         n_segments x u64 XXH3-64 checksums (one per segment, i.e. per layer of a chunk),
         u64 XXH3-64 of all the header bytes before it, zero padding
     payload (payload_len bytes, zero-padded to a multiple of 4096)
@@ -38,13 +38,21 @@ import torch
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.tiers.base import PAGE, Reservation, Tier, TierFullError, check_key, round_up
+from kvtier.tiers.base import (
+    PAGE,
+    Reservation,
+    Tier,
+    TierFullError,
+    as_byte_tensor,
+    check_key,
+    round_up,
+)
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVTC"
 VERSION = 1
-_FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQI")
+_FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
 _SUFFIX = ".kvc"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -81,19 +89,22 @@ def header_len_for(n_segments: int) -> int:
     return round_up(_FIXED.size + 8 * n_segments + 8)
 
 
-def _encode_header(key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int]) -> bytes:
+def _encode_header(
+    key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int], seq: int
+) -> bytes:
     hlen = header_len_for(len(checksums))
-    body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums))
+    body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq)
     body += struct.pack(f"<{len(checksums)}Q", *checksums)
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     return body.ljust(hlen, b"\0")
 
 
-def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry]:
-    """Parse and check a header; raise ValueError naming what is wrong."""
+def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
+    """Parse and check a header; returns key, entry and write sequence number, or raises
+    ValueError naming what is wrong."""
     if len(raw) < _FIXED.size:
         raise ValueError("header truncated")
-    magic, version, _flags, hlen, key, nbytes, seg, nseg = _FIXED.unpack_from(raw)
+    magic, version, _flags, hlen, key, nbytes, seg, nseg, seq = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -107,7 +118,7 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry]:
     if xxhash.xxh3_64_intdigest(raw[:end]) != stored:
         raise ValueError("header checksum mismatch")
     checksums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size)
-    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums))
+    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums)), seq
 
 
 class _BufferPool:
@@ -115,6 +126,7 @@ class _BufferPool:
 
     def __init__(self, keep: int = 8) -> None:
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._kept = 0
         self._keep = keep
         self._lock = threading.Lock()
 
@@ -123,14 +135,15 @@ class _BufferPool:
         with self._lock:
             stack = self._free.get(size)
             if stack:
+                self._kept -= 1
                 return stack.pop()
         return mmap.mmap(-1, size)
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
-            stack = self._free.setdefault(len(buf), [])
-            if sum(len(s) for s in self._free.values()) < self._keep:
-                stack.append(buf)
+            if self._kept < self._keep:
+                self._free.setdefault(len(buf), []).append(buf)
+                self._kept += 1
                 return
         try:
             buf.close()
@@ -148,10 +161,14 @@ def _full_preadv(fd: int, view: memoryview, pos: int) -> int:
     return done
 
 
-def _full_pwritev(fd: int, view: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwritev(fd, [view[done:]], pos + done)
+def _full_pwritev(fd: int, bufs: list[memoryview], pos: int) -> None:
+    done = os.pwritev(fd, bufs, pos)
+    total = sum(len(b) for b in bufs)
+    if done == total:
+        return
+    flat = memoryview(b"".join(bufs))  # a short write: rare enough to finish the simple way
+    while done < total:
+        done += os.pwritev(fd, [flat[done:]], pos + done)
 
 
 class DiskTier(Tier):
@@ -166,7 +183,8 @@ class DiskTier(Tier):
         self._chunks = os.path.join(self.root, "chunks")
         self._tmp = os.path.join(self.root, "tmp")
         try:
-            os.makedirs(self._chunks, exist_ok=True)
+            for i in range(256):  # fan-out directories, made once rather than per write
+                os.makedirs(os.path.join(self._chunks, f"{i:02x}"), exist_ok=True)
             os.makedirs(self._tmp, exist_ok=True)
             probe = os.path.join(self._tmp, f".probe.{os.getpid()}")
             with open(probe, "wb"):
@@ -185,7 +203,7 @@ class DiskTier(Tier):
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._reserved: dict[ChunkKey, int] = {}
         self._used = 0
-        self._tmp_seq = 0
+        self._seq = 0  # write sequence: orders chunks oldest-first across restarts
         self._recover()
 
     # -- paths and opening --------------------------------------------------------------------
@@ -217,7 +235,7 @@ class DiskTier(Tier):
                 log.info("disk: removed partial write %s", name)
             except OSError:
                 pass
-        found: list[tuple[float, ChunkKey, _Entry]] = []
+        found: list[tuple[int, ChunkKey, _Entry]] = []
         for sub in os.listdir(self._chunks):
             subdir = os.path.join(self._chunks, sub)
             if not os.path.isdir(subdir):
@@ -227,10 +245,10 @@ class DiskTier(Tier):
                 try:
                     with open(path, "rb") as f:
                         raw = f.read(PAGE)
-                        key, entry = _decode_header(raw)
+                        key, entry, seq = _decode_header(raw)
                         if entry.header_len > PAGE:
                             raw += f.read(entry.header_len - PAGE)
-                            key, entry = _decode_header(raw)
+                            key, entry, seq = _decode_header(raw)
                         st = os.fstat(f.fileno())
                     if name != key.hex() + _SUFFIX:
                         raise ValueError("file name does not match its key")
@@ -245,10 +263,11 @@ class DiskTier(Tier):
                     except OSError:
                         pass
                     continue
-                found.append((st.st_mtime, key, entry))
-        for _mtime, key, entry in sorted(found, key=lambda t: t[0]):
+                found.append((seq, key, entry))
+        for seq, key, entry in sorted(found, key=lambda t: t[0]):
             self._entries[key] = entry
             self._used += entry.file_bytes
+            self._seq = max(self._seq, seq)
         if self._used > self.capacity:
             log.warning(
                 "disk: %s holds %d bytes, over its capacity of %d; the store will evict",
@@ -269,7 +288,8 @@ class DiskTier(Tier):
         return header_len_for(-(-nbytes // (segment_bytes or nbytes))) + round_up(nbytes)
 
     # -- writes -------------------------------------------------------------------------------
-    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[int, int]:
+        """Check the request and charge its space; returns (segment bytes, bytes charged)."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"disk: entry size must be a positive int, got {nbytes!r}")
@@ -277,7 +297,6 @@ class DiskTier(Tier):
         if not isinstance(seg, int) or seg <= 0:
             raise ValueError(f"disk: segment_bytes must be a positive int, got {segment_bytes!r}")
         charge = self.footprint(nbytes, seg)
-        hlen = charge - round_up(nbytes)
         if charge > self.capacity:
             raise ValueError(
                 f"disk: entry of {nbytes} bytes ({charge} on disk) is larger than the tier's "
@@ -290,9 +309,23 @@ class DiskTier(Tier):
                 raise TierFullError(f"disk: {self._used} of {self.capacity} bytes in use")
             self._reserved[key] = charge
             self._used += charge
+        return seg, charge
+
+    def _finish(self, key: ChunkKey, charge: int, entry: _Entry | None) -> bool:
+        with self._lock:
+            del self._reserved[key]
+            if entry is not None:
+                self._entries[key] = entry
+            else:
+                self._used -= charge
+        return entry is not None
+
+    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+        seg, charge = self._take(key, nbytes, segment_bytes)
+        hlen = charge - round_up(nbytes)
         staging = self._pool.take(charge)
         payload = torch.frombuffer(staging, dtype=torch.uint8)[hlen : hlen + nbytes]
-        return Reservation(key, nbytes, seg, payload, (staging, hlen))
+        return Reservation(key, nbytes, seg, payload, staging)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         key = reservation.key
@@ -300,49 +333,84 @@ class DiskTier(Tier):
             charge = self._reserved.get(key)
         if charge is None:
             raise ValueError(f"disk: no open reservation for chunk {key.hex()}")
-        staging, hlen = reservation.slot  # type: ignore[misc]
-        entry: _Entry | None = None
+        staging: mmap.mmap = reservation.slot  # type: ignore[assignment]
+        entry = None
         try:
             if ok:
-                entry = self._write_file(reservation, staging, hlen, charge)
+                view = memoryview(staging)
+                hlen = charge - round_up(reservation.nbytes)
+                try:
+                    entry = self._write_file(
+                        key, view[hlen : hlen + reservation.nbytes], reservation.segment_bytes,
+                        header=view[:hlen], tail=view[hlen + reservation.nbytes : charge],
+                    )
+                finally:
+                    view.release()
         finally:
             del reservation.buffer
             self._pool.give(staging)
-            with self._lock:
-                del self._reserved[key]
-                if entry is not None:
-                    self._entries[key] = entry
-                else:
-                    self._used -= charge
+        return self._finish(key, charge, entry)
+
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+        """Like :meth:`Tier.put`; page-aligned CPU data (a host-tier slot, say) is written
+        straight from where it lies, without a copy through a staging buffer."""
+        src = as_byte_tensor(data)
+        nbytes = src.numel()
+        aligned = src.device.type == "cpu" and (
+            not self._direct or (src.data_ptr() % PAGE == 0 and nbytes % PAGE == 0)
+        )
+        if not aligned or nbytes == 0:
+            return super().put(key, src, segment_bytes)
+        seg, charge = self._take(key, nbytes, segment_bytes)
+        hlen = charge - round_up(nbytes)
+        entry = None
+        header = self._pool.take(hlen)
+        try:
+            payload = memoryview(src.numpy()).cast("B")
+            hview = memoryview(header)
+            try:
+                entry = self._write_file(key, payload, seg, header=hview[:hlen], tail=None)
+            finally:
+                hview.release()
+        finally:
+            self._pool.give(header)
+            self._finish(key, charge, entry)
         return entry is not None
 
     def _write_file(
-        self, res: Reservation, staging: mmap.mmap, hlen: int, charge: int
+        self,
+        key: ChunkKey,
+        payload: memoryview,
+        seg: int,
+        header: memoryview,
+        tail: memoryview | None,
     ) -> _Entry | None:
-        """Write header and payload to a temporary file and rename it into place."""
-        view = memoryview(staging)
-        payload = view[hlen : hlen + res.nbytes]
-        seg = res.segment_bytes
-        checksums = [
-            xxhash.xxh3_64_intdigest(payload[i : i + seg]) for i in range(0, res.nbytes, seg)
-        ]
-        header = _encode_header(res.key, res.nbytes, seg, checksums)
-        assert len(header) == hlen
-        view[:hlen] = header
-        view[hlen + res.nbytes : charge] = bytes(charge - hlen - res.nbytes)
-        final = self._path(res.key)
+        """Checksum ``payload`` and write header, payload and padding (``tail``, zeroed) to a
+        temporary file, then rename it into place. None (logged, counted) on an I/O error.
+        With ``tail`` None the payload must end on a page boundary or O_DIRECT be off."""
+        nbytes = len(payload)
+        checksums = [xxhash.xxh3_64_intdigest(payload[i : i + seg]) for i in range(0, nbytes, seg)]
         with self._lock:
-            self._tmp_seq += 1
-            tmp = os.path.join(self._tmp, f"{res.key.hex()}.{os.getpid()}.{self._tmp_seq}.tmp")
+            self._seq += 1
+            seq = self._seq
+        raw = _encode_header(key, nbytes, seg, checksums, seq)
+        header[:] = raw
+        bufs = [header, payload]
+        if tail is not None and len(tail):
+            tail[:] = bytes(len(tail))
+            bufs = [header, payload, tail]
+        elif round_up(nbytes) != nbytes:
+            bufs.append(memoryview(bytes(round_up(nbytes) - nbytes)))
+        final = self._path(key)
+        tmp = os.path.join(self._tmp, f"{key.hex()}.{os.getpid()}.{seq}.tmp")
         try:
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
-                _full_pwritev(fd, view[:charge], 0)
+                _full_pwritev(fd, bufs, 0)
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
             os.rename(tmp, final)
             if self.config.fsync:
                 dfd = os.open(os.path.dirname(final), os.O_RDONLY)
@@ -351,18 +419,16 @@ class DiskTier(Tier):
                 finally:
                     os.close(dfd)
         except OSError as exc:
-            log.warning("disk: write of chunk %s failed: %s", res.key.hex(), exc)
+            log.warning("disk: write of chunk %s failed: %s", key.hex(), exc)
             self.stats.errors += 1
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             return None
-        finally:
-            view.release()
         self.stats.writes += 1
-        self.stats.bytes_written += res.nbytes
-        return _Entry(res.nbytes, seg, hlen, tuple(checksums))
+        self.stats.bytes_written += nbytes
+        return _Entry(nbytes, seg, len(header), tuple(checksums))
 
     # -- reads --------------------------------------------------------------------------------
     def get(

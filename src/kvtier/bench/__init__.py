@@ -1,0 +1,1 @@
+"""Benchmarks: I/O throughput, key hashing."""

@@ -1,0 +1,159 @@
+"""The ``kvtier`` command line. Thin: it parses options, calls into the library, prints.
+
+Layout: ``main`` is the root group; each area gets a subgroup or command registered on it
+(``bench`` now; ``demo``, ``serve`` later). A command builds the library's typed config from its
+options, turns the library's ``ValueError`` into a click error (non-zero exit, one clear line)
+and prints either ``--json`` (one JSON object on stdout) or a rich table.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import PackageNotFoundError, version
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.bench.io import RATIO_TARGET, STATISTICS, IOBenchConfig, IOBenchResult, run_io_bench
+from kvtier.bench.keys import KeysBenchConfig, KeysBenchResult, run_keys_bench
+
+
+def _version() -> str:
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+class MiBList(click.ParamType):
+    """A comma-separated list of positive whole MiB, e.g. ``1,16``."""
+
+    name = "MIB[,MIB...]"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None
+                ) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        try:
+            sizes = tuple(int(p) for p in parts)
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of whole MiB (e.g. 1,16)",
+                      param, ctx)
+        if any(s <= 0 for s in sizes):
+            self.fail(f"chunk sizes must be positive, got {value!r}", param, ctx)
+        return sizes
+
+
+def _emit_json(payload: dict[str, object]) -> None:
+    click.echo(json.dumps(payload, indent=2))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="kvtier")
+def main() -> None:
+    """kvtier: a tiered KV-cache store (host DRAM, SSD) for LLM inference."""
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks of the tiers and of key bookkeeping."""
+
+
+@bench.command("io")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Parent of the disk benchmark's temporary directory (must be a real disk, "
+                   "not tmpfs). Default: $TMPDIR or /tmp.")
+@click.option("--sizes", type=MiBList(), default="1,16", show_default=True,
+              help="Chunk sizes in MiB.")
+@click.option("--total-mib", type=click.IntRange(min=1), default=256, show_default=True,
+              help="MiB moved per phase and chunk size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed rounds (after one warm-up), tier and baseline alternating.")
+@click.option("--statistic", type=click.Choice(sorted(STATISTICS)), default="median",
+              show_default=True, help="How the rounds' times are combined.")
+@click.option("--fsync/--no-fsync", default=False, show_default=True,
+              help="fsync every chunk file (tier and baseline alike).")
+def bench_io(as_json: bool, directory: str | None, sizes: tuple[int, ...], total_mib: int,
+             rounds: int, statistic: str, fsync: bool) -> None:
+    """Write/read throughput of the host and disk tiers against raw baselines."""
+    try:
+        config = IOBenchConfig(sizes_mib=sizes, total_mib=total_mib, rounds=rounds,
+                               directory=directory, fsync=fsync, statistic=statistic)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        if as_json:
+            result = run_io_bench(config)
+        else:
+            with Console(stderr=True).status("measuring tier and baseline I/O..."):
+                result = run_io_bench(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        _emit_json(result.as_dict())
+    else:
+        _print_io(result)
+
+
+@bench.command("keys")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--repeats", type=click.IntRange(min=1), default=50, show_default=True)
+def bench_keys(as_json: bool, repeats: int) -> None:
+    """Chunking + hashing + index lookup of a 128K-token prompt."""
+    result = run_keys_bench(KeysBenchConfig(repeats=repeats))
+    if as_json:
+        _emit_json(result.as_dict())
+    else:
+        _print_keys(result)
+
+
+# -- human output ------------------------------------------------------------------------------
+def _ratio(value: float, target: float = RATIO_TARGET) -> str:
+    return f"[{'green' if value >= target else 'red'}]{value:.2f}[/]"
+
+
+def _print_io(result: IOBenchResult) -> None:
+    table = Table(title="kvtier I/O throughput (GB/s, 1e9 bytes/s)")
+    for col in ("tier", "chunk", "write", "baseline", "ratio", "read", "baseline", "ratio"):
+        table.add_column(col, justify="left" if col in ("tier", "chunk") else "right")
+    for name, tier in (("host", result.host), ("disk", result.disk)):
+        rows = [(s.label, s.throughput) for s in tier.by_size] + [("all", tier.throughput)]
+        for label, t in rows:
+            table.add_row(
+                name, label,
+                f"{t.write_GBps:.2f}", f"{t.baseline_write_GBps:.2f}", _ratio(t.write_ratio),
+                f"{t.read_GBps:.2f}", f"{t.baseline_read_GBps:.2f}", _ratio(t.read_ratio),
+            )
+        table.add_section()
+    console = Console()
+    console.print(table)
+    cfg = result.config
+    console.print(
+        f"disk: {result.directory} ({result.fs_type}), "
+        f"O_DIRECT={'on' if result.direct_io else 'off'}, fsync={'on' if cfg.fsync else 'off'}; "
+        f"{cfg.rounds} rounds, {cfg.statistic}; 'all' = total bytes / total time; "
+        f"target ratio >= {RATIO_TARGET}; load {result.load_avg_1m:.2f}"
+    )
+    if result.fs_type in ("tmpfs", "ramfs"):
+        console.print("[yellow]warning: the disk benchmark ran on a RAM filesystem; use --dir[/]")
+
+
+def _print_keys(result: KeysBenchResult) -> None:
+    cfg = result.config
+    table = Table(title=f"chunk + hash + lookup of {cfg.num_tokens} tokens "
+                        f"({result.num_chunks} chunks of {cfg.chunk_tokens}), ms")
+    target = f"target < {result.target_ms:g}"
+    for col in ("input", "median", "best", "chunk+hash", "lookup", target):
+        table.add_column(col, justify="left" if col == "input" else "right")
+    for r in (result.list_input, result.array_input):
+        ok = r.median_ms < result.target_ms
+        table.add_row(r.input, f"{r.median_ms:.2f}", f"{r.best_ms:.2f}", f"{r.chunk_median_ms:.2f}",
+                      f"{r.lookup_median_ms:.3f}", "[green]yes[/]" if ok else "[red]no[/]")
+    Console().print(table)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
