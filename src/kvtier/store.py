@@ -190,12 +190,15 @@ class KVStore:
         *,
         layers: Sequence[int] | None = None,
         device: torch.device | str | None = None,
+        promote: bool = True,
     ) -> LoadResult:
         """Read the KV of ``hit``'s chunks.
 
         ``out``: per-layer tensors to fill (``[heads, >= hit_tokens, head_dim]``, any device);
         by default new tensors on ``device`` (CPU) are returned. ``layers``: only these layers
-        (others of ``out`` are left untouched). Chunks on SSD are promoted to DRAM.
+        (others of ``out`` are left untouched). Chunks on SSD are promoted to DRAM, unless
+        ``promote`` is False: then only the requested layers are read from SSD (layer-wise
+        loading reads one layer of every chunk at a time; :meth:`prefetch` promotes later).
         """
         layout = self.layout
         c = layout.chunk_tokens
@@ -216,7 +219,7 @@ class KVStore:
         loaded_from: list[str] = []
         with self._lock:
             for i, key in enumerate(hit.keys):
-                source = self._read_chunk(key, out, i, wanted)
+                source = self._read_chunk(key, out, i, wanted, promote)
                 if source is None:
                     self.stats.load_failures += 1
                     break
@@ -228,12 +231,14 @@ class KVStore:
         kv = [tuple(t[:, :tokens] for t in pair) for pair in out]
         return LoadResult(tokens=tokens, kv=kv, tiers=loaded_from)
 
-    def _read_chunk(self, key: ChunkKey, out: Sequence[LayerKV], i: int, layers: list[int]) -> str | None:
+    def _read_chunk(
+        self, key: ChunkKey, out: Sequence[LayerKV], i: int, layers: list[int], promote: bool
+    ) -> str | None:
         """Copy chunk ``key`` into position ``i`` of ``out``; the tier read from, or None."""
         layout = self.layout
         while (level := self.index.fastest(key)) is not None:
             tier = self.tiers[level]
-            if level > 0 and self._promote(key, level):
+            if level > 0 and promote and self._promote(key, level):
                 level, tier = 0, self.tiers[0]
             with tier.pinned(key) as held:
                 if held and level == 0:
@@ -275,6 +280,22 @@ class KVStore:
         self.policies[0].insert(key)
         self.stats.promotions += 1
         return True
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> int:
+        """Promote the held prefix of ``keys`` into DRAM ahead of use (a scheduler hint).
+        Returns how many chunks were promoted; stops at the first chunk held nowhere."""
+        promoted = 0
+        with self._lock:
+            for key in keys:
+                level = self.index.fastest(key)
+                if level is None:
+                    break
+                if level > 0:
+                    if not self._promote(key, level):
+                        break
+                    promoted += 1
+            self._touch(list(keys))
+        return promoted
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, tokens: object, kv: Sequence[Sequence[torch.Tensor]], *, tenant: str | None = None) -> SaveResult:

@@ -1,0 +1,1 @@
+"""Thin adapters that put kvtier in front of inference engines."""
