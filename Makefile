@@ -14,14 +14,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 demo: $(STAMP)
-	$(BIN)/kvtier bench io
+	HF_HUB_OFFLINE=1 $(BIN)/kvtier demo --plot demo.png
 
 bench: $(STAMP)
 	$(BIN)/kvtier bench io
 	$(BIN)/kvtier bench keys
+	HF_HUB_OFFLINE=1 $(BIN)/kvtier bench ttft
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

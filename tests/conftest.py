@@ -25,3 +25,12 @@ def make_kv(layout: KVLayout, tokens: int, seed: int = 0) -> list[tuple[torch.Te
 @pytest.fixture(autouse=True)
 def _kvtier_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvtier")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded ``tiny`` default model, built once per session in a private KVTIER home
+    (never the user's ~/.cache)."""
+    from kvtier.engines.default_model import default_model_dir
+
+    return default_model_dir("tiny", home=tmp_path_factory.mktemp("kvtier-home"))

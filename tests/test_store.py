@@ -220,3 +220,19 @@ def test_a_pinned_chunk_is_not_evicted(layout):
             assert saved.dropped == 1 and saved.stored == 0
         assert store.lookup(a).hit_tokens == C
         assert store.save(b, make_kv(layout, C)).stored == 1  # once unpinned, LRU makes room
+
+
+def test_write_through_puts_every_saved_chunk_on_ssd_at_once(layout, tmp_path):
+    tokens = list(range(3 * C))
+    kv = make_kv(layout, len(tokens), seed=5)
+    per = header_len_for(layout.num_layers) + layout.chunk_bytes
+    config = StoreConfig(model="tiny@1", layout=layout, host=HostTierConfig(8 * layout.chunk_bytes),
+                         disk=DiskTierConfig(str(tmp_path), 16 * per), write_through=True)
+    with KVStore(config) as store:
+        store.save(tokens, kv)
+        assert store.lookup(tokens).tiers == ["host"] * 3
+        assert store.snapshot()["tiers"]["disk"]["chunks"] == 3
+    with KVStore(config) as store:  # DRAM is gone after a restart; SSD still has everything
+        hit = store.lookup(tokens)
+        assert hit.tiers == ["disk"] * 3
+        assert_kv_equal(store.load(hit).kv, kv, 3 * C)

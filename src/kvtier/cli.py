@@ -170,6 +170,44 @@ def demo(model: str, users: int, rounds: int, doc_chars: int, user_chars: int, m
         console.print(f"plot written to {plot_path}")
 
 
+@bench.command("ttft")
+@click.option("--model", default="small", show_default=True,
+              help="Embedded default model size (tiny, small) or a local model directory.")
+@click.option("--histories", type=MiBList(), default="1024,2048,4096,8192", show_default=True,
+              help="History lengths in tokens, comma-separated.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="New tokens of the turn that continues each history.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Parent of the SSD tier's temporary directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of rows.")
+def bench_ttft(model: str, histories: tuple[int, ...], new_tokens: int, repeats: int,
+               directory: str | None, as_json: bool) -> None:
+    """Time to first token by history length: full recompute vs DRAM hit vs SSD hit."""
+    from kvtier.bench.ttft import TTFTBenchConfig, run_ttft_bench
+
+    try:
+        config = TTFTBenchConfig(model=model, histories=histories, new_tokens=new_tokens,
+                                 repeats=repeats, directory=directory)
+        with Console(stderr=True).status("timing prefills..."):
+            rows = run_ttft_bench(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    table = Table(title=f"time to first token, {new_tokens} new tokens after a cached history")
+    for col in ("history", "recompute s", "DRAM hit s", "ratio", "SSD hit s", "ratio",
+                "load hidden (DRAM/SSD)", "same output", "max logit diff"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.history_tokens), f"{r.ttft_recompute_s:.3f}", f"{r.ttft_host_s:.3f}",
+                      f"{r.host_ratio:.3f}", f"{r.ttft_disk_s:.3f}", f"{r.disk_ratio:.3f}",
+                      f"{r.load_hidden_host:.0%} / {r.load_hidden_disk:.0%}",
+                      "yes" if r.same_output else "[red]NO[/]", f"{r.max_logit_diff:.1e}")
+    Console().print(table)
+
+
 # -- human output ------------------------------------------------------------------------------
 def _ratio(value: float, target: float = RATIO_TARGET) -> str:
     return f"[{'green' if value >= target else 'red'}]{value:.2f}[/]"

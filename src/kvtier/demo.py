@@ -128,6 +128,9 @@ def run_demo(config: DemoConfig, on_turn: Callable[[TurnRecord, int], None] | No
                         history = histories[user]
                         history.append({"role": "user", "content": content})
                         base = engine.generate(history, use_store=False)
+                        # The user reads the last reply before typing: its save has had time.
+                        # (Untimed here so the timing does not depend on thread scheduling.)
+                        engine.wait_for_saves()
                         got = engine.generate(history)
                         history.append({"role": "assistant", "content": got.text})
                         rec = TurnRecord(

@@ -50,6 +50,9 @@ class StoreConfig:
     policy: str = "lru"
     tenant: str = ""
     """Default tenant salt; chunks are shared only between callers with the same salt."""
+    write_through: bool = False
+    """Also write every saved chunk to SSD at once (so it survives a restart), instead of
+    only when DRAM demotes it. Costs SSD write bandwidth on every save."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -105,7 +108,8 @@ class StoreStats:
     """Per tier: looked-up chunks whose fastest copy was in that tier."""
     misses: Counter[str] = field(default_factory=Counter)
     """Per tier: looked-up full chunks that tier did not serve (found lower, or nowhere)."""
-    loaded_tokens: Counter[str] = field(default_factory=Counter)
+    loaded_layer_tokens: Counter[str] = field(default_factory=Counter)
+    """Per tier: tokens loaded times layers loaded (a full load of T tokens adds T x layers)."""
     saved_chunks: int = 0
     dedup_chunks: int = 0
     dropped_chunks: int = 0
@@ -113,6 +117,7 @@ class StoreStats:
     demotions: int = 0
     promotions: int = 0
     load_failures: int = 0
+    """Chunks the index promised that no tier could read (damaged or lost)."""
 
 
 class KVStore:
@@ -221,12 +226,11 @@ class KVStore:
             for i, key in enumerate(hit.keys):
                 source = self._read_chunk(key, out, i, wanted, promote)
                 if source is None:
-                    self.stats.load_failures += 1
                     break
                 loaded_from.append(source)
             self._touch(hit.keys[: len(loaded_from)])
-            for name in loaded_from:
-                self.stats.loaded_tokens[name] += c
+            for name in loaded_from:  # in layer-tokens: a layer-by-layer load counts once
+                self.stats.loaded_layer_tokens[name] += c * len(wanted)
         tokens = len(loaded_from) * c
         kv = [tuple(t[:, :tokens] for t in pair) for pair in out]
         return LoadResult(tokens=tokens, kv=kv, tiers=loaded_from)
@@ -257,6 +261,7 @@ class KVStore:
                         unpack_layer(raw, out[layer], i, layout)
                     if ok:
                         return tier.name
+            self.stats.load_failures += 1
             self._forget(key, level)
         return None
 
@@ -326,6 +331,9 @@ class KVStore:
                 self.index.add(key, 0)
                 self.policies[0].insert(key)
                 stored += 1
+                if self.config.write_through and len(self.tiers) > 1:
+                    with self.host.pinned(key):
+                        self._demote(key, 0, 1)
             self._touch(keys)
             self.stats.saved_chunks += stored
             self.stats.dedup_chunks += present
@@ -413,7 +421,9 @@ class KVStore:
                 "lookups": s.lookups,
                 "lookup_tokens": s.lookup_tokens,
                 "hit_tokens": s.hit_tokens,
-                "loaded_tokens": dict(s.loaded_tokens),
+                "loaded_tokens": {
+                    k: v // self.layout.num_layers for k, v in s.loaded_layer_tokens.items()
+                },
                 "saved_chunks": s.saved_chunks,
                 "dedup_chunks": s.dedup_chunks,
                 "dropped_chunks": s.dropped_chunks,

@@ -125,12 +125,9 @@ def _build(size: str, path: Path) -> None:
         pad_token_id=tokenizer.pad_token_id,
         **SIZES[size],
     )
-    state = torch.random.get_rng_state()  # leave the caller's global RNG as it was
-    try:
-        torch.manual_seed(1234 + BUILD_VERSION)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+        torch.default_generator.manual_seed(1234 + BUILD_VERSION)
         model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(state)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     (path / "kvtier.json").write_text(json.dumps({"size": size, "build_version": BUILD_VERSION}))

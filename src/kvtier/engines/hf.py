@@ -35,12 +35,14 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from kvtier.core.keys import chunk_tokens_of
 from kvtier.core.layout import KVLayout
 from kvtier.engines import attention
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
 from kvtier.store import KVStore, StoreConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
+from kvtier.transfer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +177,11 @@ class HFEngine:
         self.model.to(self.config.device).eval()
         self.store = store
         if store is not None:
-            want = kv_layout_for(self.model.config, store.layout.chunk_tokens, store.layout.dtype)
+            dtypes = {v: k for k, v in TORCH_DTYPES.items()}
+            model_dtype = dtypes.get(self.model.dtype)
+            if model_dtype is None:
+                raise ValueError(f"model dtype {self.model.dtype} is not supported by kvtier")
+            want = kv_layout_for(self.model.config, store.layout.chunk_tokens, model_dtype)
             if want != store.layout:
                 raise ValueError(f"store layout {store.layout} does not match the model's {want}")
         params = inspect.signature(self.model.forward).parameters
@@ -227,7 +233,9 @@ class HFEngine:
         ids = self.prompt_ids(messages) if messages is not None else list(prompt_ids)  # type: ignore[arg-type]
         if not ids:
             raise ValueError("the prompt is empty")
-        n_new = max_new_tokens or self.config.max_new_tokens
+        n_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if n_new <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {n_new}")
         store = self.store if use_store else None
         with torch.inference_mode():
             logits, cache, hit, tiers, load_s, hidden, retries = self._prefill(ids, store)
@@ -267,8 +275,10 @@ class HFEngine:
             loader = None
             if n:
                 loader = LayerwiseLoader(store, hit, self.config.device)  # type: ignore[arg-type]
-                if not self.config.layerwise:
+                if not self.config.layerwise:  # all of it before compute: none of it hidden
+                    t0 = time.perf_counter()
                     loader.join()
+                    loader.wait_s += time.perf_counter() - t0
                 cache = DynamicCache(config=self.model.config)
                 cache.layers = [PreloadedLayer(loader, i) for i in range(len(cache.layers))]
             else:
@@ -297,9 +307,9 @@ class HFEngine:
 
         def work() -> None:
             try:
-                prefetch = store.lookup(tokens).keys
                 store.save(tokens, kv)
-                store.prefetch(prefetch)  # the conversation's older chunks back into DRAM
+                keys = chunk_tokens_of(tokens, store.namespace(), store.layout.chunk_tokens).keys
+                store.prefetch(keys)  # the conversation's older chunks back into DRAM
             except Exception:  # a failed save is a future miss, never an error for the user
                 log.exception("saving KV failed")
 

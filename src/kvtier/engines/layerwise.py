@@ -66,6 +66,10 @@ class LayerwiseLoader:
             self.load_s += time.perf_counter() - start
             self._loaded[layer] = res.tokens
             self._ready[layer].set()
+            if res.tokens < self.tokens:  # this pass will be redone; reading on is wasted
+                for event in self._ready:
+                    event.set()
+                return
 
     def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block until ``layer`` is loaded; its (K, V) as ``[1, heads, tokens, head_dim]``."""
