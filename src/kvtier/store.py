@@ -168,21 +168,25 @@ class KVStore:
     def lookup(self, tokens: object, *, tenant: str | None = None) -> LookupResult:
         """Longest run of cached chunks from the first. Raises TypeError/ValueError on bad tokens."""
         chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens)
+        return self.lookup_keys(chunks.keys, chunks.num_tokens)
+
+    def lookup_keys(self, keys: Sequence[ChunkKey], num_tokens: int | None = None) -> LookupResult:
+        """:meth:`lookup` for keys already computed (by a client of the store daemon)."""
+        c = self.layout.chunk_tokens
         with self._lock:
-            hit = self.index.longest_prefix(chunks.keys)
+            hit = self.index.longest_prefix(keys)
             self._touch(hit.keys)
             st = self.stats
             st.lookups += 1
-            st.lookup_tokens += chunks.num_tokens
-            st.hit_tokens += len(hit) * chunks.chunk_tokens
-            absent = len(chunks.keys) - len(hit)
+            st.lookup_tokens += len(keys) * c if num_tokens is None else num_tokens
+            st.hit_tokens += len(hit) * c
+            absent = len(keys) - len(hit)
             for level, tier in enumerate(self.tiers):
-                served = hit.levels.count(level)
-                st.hits[tier.name] += served
+                st.hits[tier.name] += hit.levels.count(level)
                 st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
         return LookupResult(
-            num_tokens=chunks.num_tokens,
-            hit_tokens=len(hit) * chunks.chunk_tokens,
+            num_tokens=len(keys) * c if num_tokens is None else num_tokens,
+            hit_tokens=len(hit) * c,
             keys=hit.keys,
             tiers=[self.tiers[lvl].name for lvl in hit.levels],
         )
@@ -314,31 +318,72 @@ class KVStore:
         stored = present = dropped = 0
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self.index:
-                    present += 1
-                    continue
                 try:
-                    res = self._reserve(0, key, self.layout.chunk_bytes)
+                    res = self.reserve_chunk(key)
                 except TierFullError:
                     dropped += len(keys) - i  # a later chunk without this one could never hit
                     break
+                if res is None:
+                    present += 1
+                    continue
                 try:
                     pack_chunk(res.buffer, layers, i, self.layout)
                 except BaseException:
-                    self.host.commit(res, ok=False)
+                    self.commit_chunk(res, ok=False)
                     raise
-                self.host.commit(res)
-                self.index.add(key, 0)
-                self.policies[0].insert(key)
-                stored += 1
-                if self.config.write_through and len(self.tiers) > 1:
-                    with self.host.pinned(key):
-                        self._demote(key, 0, 1)
+                stored += self.commit_chunk(res)
             self._touch(keys)
-            self.stats.saved_chunks += stored
             self.stats.dedup_chunks += present
             self.stats.dropped_chunks += dropped
         return SaveResult(stored=stored, present=present, dropped=dropped)
+
+    # -- key-level access (for the store daemon's clients, which share the DRAM arena) -------
+    def reserve_chunk(self, key: ChunkKey) -> Reservation | None:
+        """Take a DRAM slot for a new chunk (evicting as needed); fill ``res.buffer`` (or the
+        arena at ``res.slot``), then :meth:`commit_chunk`. None if the chunk is already held.
+        Raises TierFullError if every resident chunk is pinned."""
+        with self._lock:
+            if key in self.index:
+                return None
+            return self._reserve(0, key, self.layout.chunk_bytes)
+
+    def commit_chunk(self, res: Reservation, ok: bool = True) -> bool:
+        """Publish (or abandon) a reserved chunk; with ``write_through``, copy it to SSD too."""
+        with self._lock:
+            if not self.host.commit(res, ok=ok):
+                return False
+            self.index.add(res.key, 0)
+            self.policies[0].insert(res.key)
+            self.stats.saved_chunks += 1
+            if self.config.write_through and len(self.tiers) > 1:
+                with self.host.pinned(res.key):
+                    self._demote(res.key, 0, 1)
+            return True
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Pin the longest held prefix of ``keys`` in DRAM, promoting chunks from SSD, and
+        return their arena slot indices. The caller reads the slots, then calls
+        :meth:`release` with ``keys[:len(slots)]``."""
+        slots: list[int] = []
+        with self._lock:
+            for key in keys:
+                level = self.index.fastest(key)
+                if level is None or (level > 0 and not self._promote(key, level)):
+                    break
+                if not self.host.pin(key):
+                    break
+                slots.append(self.host.slot_of(key))  # type: ignore[arg-type]
+                self.stats.loaded_layer_tokens[self.tiers[level].name] += (
+                    self.layout.chunk_tokens * self.layout.num_layers
+                )
+            self._touch(list(keys[: len(slots)]))
+        return slots
+
+    def release(self, keys: Sequence[ChunkKey]) -> None:
+        """Undo :meth:`acquire`'s pins."""
+        with self._lock:
+            for key in keys:
+                self.host.unpin(key)
 
     # -- placement ----------------------------------------------------------------------------
     def _reserve(self, level: int, key: ChunkKey, nbytes: int) -> Reservation:

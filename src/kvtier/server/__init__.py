@@ -1,0 +1,1 @@
+"""The store daemon (one store shared by several processes) and its client."""

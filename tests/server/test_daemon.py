@@ -1,0 +1,290 @@
+"""The store daemon as its users meet it: a real `kvtier store serve` process, clients in this
+and in other processes, crashes on both sides."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvtier.cli import main
+from kvtier.core.layout import KVLayout
+from kvtier.server.client import StoreClient
+from kvtier.server.config import daemon_config
+from kvtier.store import LookupResult
+
+from ..conftest import make_kv
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=16)
+C = LAYOUT.chunk_tokens
+KVTIER = str(Path(sys.executable).with_name("kvtier"))
+
+
+def write_config(tmp: Path, host_chunks: int = 8, write_through: bool = True, port: int | None = None) -> Path:
+    cfg = tmp / "kvtier.toml"
+    lines = [
+        f'socket = "{tmp / "kv.sock"}"', 'model = "tiny@test"', f"write_through = {str(write_through).lower()}",
+        *([f"metrics_port = {port}"] if port is not None else []),
+        "[layout]", "num_layers = 4", "num_kv_heads = 2", "head_dim = 32", 'dtype = "float32"', "chunk_tokens = 16",
+        "[host]", f"capacity_bytes = {host_chunks * LAYOUT.chunk_bytes}",
+        "[disk]", f'path = "{tmp / "ssd"}"', f"capacity_bytes = {1 << 26}",
+    ]
+    cfg.write_text("\n".join(lines) + "\n")
+    return cfg
+
+
+def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "daemon exited"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            s.close()
+    raise TimeoutError(f"daemon did not listen on {path}")
+
+
+class Daemon:
+    def __init__(self, tmp: Path, **kw) -> None:
+        self.tmp = tmp
+        self.config = write_config(tmp, **kw)
+        self.socket = tmp / "kv.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Daemon":
+        self.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(self.config)],
+                                     stderr=subprocess.PIPE, text=True)
+        wait_for_socket(self.socket, self.proc)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path).start()
+    yield d
+    d.stop()
+
+
+def out_buffers(tokens: int):
+    return [tuple(torch.zeros(2, tokens, 32) for _ in range(2)) for _ in range(4)]
+
+
+def assert_loaded(out, kv, tokens: int) -> None:
+    for (k, v), (ok, ov) in zip(kv, out):
+        assert torch.equal(ok[:, :tokens], k[:, :tokens]) and torch.equal(ov[:, :tokens], v[:, :tokens])
+
+
+CHILD_SAVE = textwrap.dedent("""
+    import sys, torch
+    from kvtier.server.client import StoreClient
+    from tests.conftest import make_kv
+    from kvtier.core.layout import KVLayout
+    layout = KVLayout(4, 2, 32, "float32", 16)
+    client = StoreClient(sys.argv[1])
+    res = client.save(list(range(int(sys.argv[2]))), make_kv(layout, int(sys.argv[2]), seed=7))
+    print(res.stored, client.errors)
+""")
+
+
+def test_a_chunk_saved_by_one_process_is_loaded_by_another_through_shared_memory(daemon, tmp_path):
+    n = 5 * C
+    child = subprocess.run([sys.executable, "-c", CHILD_SAVE, str(daemon.socket), str(n)],
+                           capture_output=True, text=True, cwd=Path(__file__).parents[2], check=True)
+    assert child.stdout.split() == ["5", "0"]
+    client = StoreClient(str(daemon.socket))
+    hit = client.lookup(list(range(n)))
+    assert hit.hit_tokens == n
+    out = out_buffers(n)
+    assert client.load(hit, out).tokens == n
+    assert_loaded(out, make_kv(LAYOUT, n, seed=7), n)
+    stats = client.stats()
+    assert stats["pinned_chunks"] == 0 and stats["tiers"]["host"]["hits"] == 5
+    # the same prefix from a second conversation is stored once
+    assert client.save(list(range(n)) + [1] * C, make_kv(LAYOUT, n + C, seed=7)).present == 5
+    client.close()
+
+
+def test_loads_and_saves_larger_than_dram_go_in_rounds_through_ssd(daemon):
+    n = 12 * C  # DRAM holds 8 chunks
+    kv = make_kv(LAYOUT, n, seed=3)
+    client = StoreClient(str(daemon.socket))
+    assert client.save(list(range(n)), kv).stored == 12
+    hit = client.lookup(list(range(n)))
+    assert hit.hit_tokens == n and "disk" in hit.tiers
+    out = out_buffers(n)
+    assert client.load(hit, out).tokens == n
+    assert_loaded(out, kv, n)
+    client.close()
+
+
+CHILD_DIE = textwrap.dedent("""
+    import os, sys
+    from kvtier.server.client import StoreClient
+    client = StoreClient(sys.argv[1])
+    keys = client.keys_for(list(range(64)))
+    assert client._call("acquire", keys=keys[:2])["slots"]          # pins two chunks
+    assert client._call("reserve", keys=[b"x" * 16])["slots"][0] >= 0  # a write never committed
+    print("holding", flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_a_client_killed_mid_operation_leaves_no_pins_and_no_half_written_chunk(daemon):
+    client = StoreClient(str(daemon.socket))
+    client.save(list(range(4 * C)), make_kv(LAYOUT, 4 * C))
+    proc = subprocess.run([sys.executable, "-c", CHILD_DIE, str(daemon.socket)],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert proc.stdout.strip() == "holding" and proc.returncode == -9
+    deadline = time.monotonic() + 10
+    while (s := client.stats())["pinned_chunks"] or s["writes_in_flight"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    assert s["tiers"]["host"]["chunks"] == 4  # the abandoned write never became visible
+    assert client._call("lookup", keys=[b"x" * 16])["tiers"] == []
+    client.close()
+
+
+def test_daemon_down_at_start_then_up_later(tmp_path, caplog):
+    d = Daemon(tmp_path)
+    client = StoreClient(str(d.socket), retry_s=0.05)
+    tokens = list(range(3 * C))
+    assert client.lookup(tokens).hit_tokens == 0
+    assert client.save(tokens, make_kv(LAYOUT, 3 * C)).stored == 0
+    out = out_buffers(3 * C)
+    assert client.load(LookupResult(3 * C, 3 * C, [b"k" * 16] * 3, ["host"] * 3), out).tokens == 0
+    assert client.errors >= 3 and "serving as cache misses" in caplog.text
+    d.start()
+    try:
+        time.sleep(0.1)
+        assert client.save(tokens, make_kv(LAYOUT, 3 * C)).stored == 3  # reconnected
+        assert client.lookup(tokens).hit_tokens == 3 * C
+    finally:
+        client.close()
+        d.stop()
+
+
+def test_a_daemon_killed_mid_run_costs_misses_and_its_ssd_chunks_survive_a_restart(tmp_path):
+    d = Daemon(tmp_path).start()  # write-through: every chunk also on SSD
+    client = StoreClient(str(d.socket), retry_s=0.05)
+    tokens = list(range(6 * C))
+    kv = make_kv(LAYOUT, 6 * C, seed=11)
+    try:
+        assert client.save(tokens, kv).stored == 6
+        d.kill()
+        assert client.lookup(tokens).hit_tokens == 0  # a miss, not an exception
+        errors = client.errors
+        assert errors >= 1
+        d.start()
+        time.sleep(0.1)
+        hit = client.lookup(tokens)
+        assert hit.hit_tokens == 6 * C and set(hit.tiers) == {"disk"}
+        out = out_buffers(6 * C)
+        assert client.load(hit, out).tokens == 6 * C
+        assert_loaded(out, kv, 6 * C)
+        dead_arenas = [p for p in os.listdir("/dev/shm") if p.startswith("kvtier-")
+                       and not os.path.exists(f"/proc/{p.rsplit('-', 1)[-1]}")]
+        assert dead_arenas == []  # the killed daemon's arena was cleaned up
+    finally:
+        client.close()
+        d.stop()
+
+
+def test_prometheus_metrics_over_http(tmp_path):
+    d = Daemon(tmp_path, port=0)
+    d.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(d.config)],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_socket(d.socket, d.proc)
+        line = ""
+        while "metrics on" not in line:
+            line = d.proc.stderr.readline()
+            assert line, "daemon did not report its metrics address"
+        url = line.split("metrics on ", 1)[1].strip()
+        client = StoreClient(str(d.socket))
+        client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
+        client.lookup(list(range(2 * C)))
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'kvtier_hits_total{tier="host"} 2.0' in body
+        assert 'kvtier_hit_ratio{tier="host"} 1.0' in body
+        assert "kvtier_op_seconds_bucket" in body and 'op="commit"' in body
+        assert "kvtier_prefetches_total" in body and "kvtier_evictions_total" in body
+        client.close()
+    finally:
+        d.stop()
+
+
+def test_store_stats_command(daemon):
+    client = StoreClient(str(daemon.socket))
+    client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
+    client.close()
+    runner = CliRunner()
+    res = runner.invoke(main, ["store", "stats", "--socket", str(daemon.socket), "--json"])
+    assert res.exit_code == 0, res.output
+    snap = json.loads(res.output)
+    assert snap["tiers"]["host"]["chunks"] == 2 and snap["tiers"]["disk"]["chunks"] == 2
+    res = runner.invoke(main, ["store", "stats", "--socket", str(daemon.socket)])
+    assert res.exit_code == 0 and "kvtier store at" in res.output and "pinned chunks 0" in res.output
+    res = runner.invoke(main, ["store", "stats", "--socket", str(daemon.tmp / "nobody.sock")])
+    assert res.exit_code == 1 and "no kvtier daemon" in res.output
+
+
+def test_garbage_on_the_socket_drops_that_client_only(daemon):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(daemon.socket))
+    s.sendall(b"\xff\xff\xff\x7f" + b"junk")  # claims a 2 GiB message
+    s.close()
+    client = StoreClient(str(daemon.socket))
+    assert client.save(list(range(C)), make_kv(LAYOUT, C)).stored == 1
+    client.close()
+
+
+def test_bad_config_is_refused_with_a_clear_error(tmp_path):
+    base = {"socket": str(tmp_path / "s.sock"), "model": "m",
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
+            "host": {"capacity_bytes": 1 << 20}}
+    assert daemon_config(base).store.layout.num_layers == 2
+    for bad, words in [
+        ({**base, "colour": "red"}, "unknown config key"),
+        ({**base, "host": {"capacity_bytes": 1 << 20, "size": 3}}, r"unknown key\(s\) in \[host\]"),
+        ({k: v for k, v in base.items() if k != "host"}, r"\[host\] is missing"),
+        ({**base, "socket": str(tmp_path / "no" / "such" / "s.sock")}, "not a writable directory"),
+        ({**base, "layout": {"num_layers": 0, "num_kv_heads": 2, "head_dim": 32}}, "num_layers"),
+        ({**base, "model": ""}, "model"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            daemon_config(bad)
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("socket = \n")
+    res = CliRunner().invoke(main, ["store", "serve", "--config", str(bad_toml)])
+    assert res.exit_code == 1 and "not valid TOML" in res.output
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(daemon):
+    res = subprocess.run([KVTIER, "store", "serve", "--config", str(daemon.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "another daemon is serving" in res.stderr
