@@ -171,7 +171,7 @@ MISMATCHES = {
     "dtype": {"dtype": "float16"},  # the model computes (and would hand over) float32 KV
     "layers": {"num_layers": 3},
     "kv-heads": {"num_kv_heads": 4},
-    "head-dim": {"head_dim": 32},
+    "head-dim": {"head_dim": 64},
 }
 
 

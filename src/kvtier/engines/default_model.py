@@ -22,7 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 SPECIAL_TOKENS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -42,9 +42,10 @@ CHAT_TEMPLATE = (
 )
 
 SIZES: dict[str, dict[str, int | float]] = {
+    # head_dim 32: the smallest vLLM's CPU attention supports
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16,
+        num_key_value_heads=2, head_dim=32,
     ),
     "small": dict(
         hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,

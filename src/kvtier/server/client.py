@@ -78,6 +78,8 @@ class StoreClient:
         layout = KVLayout(**hello["layout"])  # type: ignore[arg-type]
         old = self._att
         arena = HostArena.attach(str(hello["shm_name"]), int(hello["arena_bytes"]))  # type: ignore[call-overload]
+        if torch.cuda.is_available():
+            arena.pin()  # page-locked: device copies from the arena run at full speed
         if old is not None:
             old.arena.close()
         self._att = _Attachment(
@@ -119,6 +121,15 @@ class StoreClient:
             self._down_logged = True
 
     @property
+    def model(self) -> str | None:
+        """The daemon's model id, once connected."""
+        with self._lock:
+            try:
+                return self._connect().namespace.model
+            except DaemonUnavailable:
+                return None
+
+    @property
     def layout(self) -> KVLayout | None:
         """The daemon's layout, once connected."""
         with self._lock:
@@ -128,6 +139,52 @@ class StoreClient:
                 return None
 
     # -- the store API --------------------------------------------------------------------------
+    # -- chunk slots, for engines that copy their own page layout (the vLLM connector) ---------
+    def _views(self, att: _Attachment, slots: Sequence[int]) -> list[torch.Tensor]:
+        n = att.layout.chunk_bytes
+        return [att.arena.tensor[s * att.slot_stride : s * att.slot_stride + n] for s in slots]
+
+    def acquire(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
+        """Pin the longest held prefix of ``keys`` in DRAM; zero-copy byte views of their slots.
+        Call :meth:`release` with ``keys[:len(views)]`` when done. [] if the daemon is down."""
+        try:
+            with self._lock:
+                att = self._connect()
+                return self._views(att, list(self._call("acquire", keys=list(keys))["slots"]))  # type: ignore[call-overload]
+        except DaemonUnavailable as exc:
+            self._failed("acquire", exc)
+            return []
+
+    def release(self, keys: Sequence[ChunkKey]) -> None:
+        if not keys:
+            return
+        try:
+            self._call("release", keys=list(keys))
+        except DaemonUnavailable as exc:
+            self._failed("release", exc)
+
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        """Slots to write new chunks into, in order (None: already held, nothing to write);
+        shorter than ``keys`` when DRAM has no room. :meth:`commit` the written keys after."""
+        try:
+            with self._lock:
+                att = self._connect()
+                slots = list(self._call("reserve", keys=list(keys))["slots"])  # type: ignore[call-overload]
+        except DaemonUnavailable as exc:
+            self._failed("reserve", exc)
+            return []
+        views = self._views(att, [max(s, 0) for s in slots])
+        return [v if s >= 0 else None for v, s in zip(views, slots)]
+
+    def commit(self, keys: Sequence[ChunkKey], ok: bool = True) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._call("commit", keys=list(keys), success=ok)["committed"])  # type: ignore[call-overload]
+        except DaemonUnavailable as exc:
+            self._failed("commit", exc)
+            return 0
+
     def keys_for(self, tokens: object) -> list[ChunkKey]:
         att = self._connect()
         return chunk_tokens_of(tokens, att.namespace, att.layout.chunk_tokens).keys

@@ -1,0 +1,333 @@
+"""kvtier as a vLLM V1 KV connector: to vLLM, a kvtier hit looks like a prefix-cache hit.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.engines.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": "/run/kvtier.sock"}}'
+
+with a store daemon running (``kvtier store serve``, see :func:`engine_model_id` for the
+``model`` it must be started with). Both halves of the connector -- the scheduler's, in vLLM's
+engine-core process, and the worker's, next to the model -- are clients of that daemon.
+
+Scheduler side: ``get_num_new_matched_tokens`` looks the prompt up (all but its last token);
+``on_new_request`` sends the daemon a prefetch hint so chunks on SSD are promoted to DRAM while
+the request waits; the metadata of each step tells the workers which chunks to load into which
+blocks, and which newly computed prompt chunks to save from which blocks.
+
+Worker side: ``start_load_kv`` pins the chunks in the daemon's shared arena and starts copying
+them, layer by layer, into vLLM's blocks on a background thread; ``wait_for_layer_load`` waits
+for just that layer. ``save_kv_layer`` copies each layer's finished pages into reserved slots as
+the forward pass produces them, and ``wait_for_save`` commits them.
+
+Pages are copied whole: vLLM's CPU backend keeps, per block and head, the block's K (transposed
+on the fp32 path) then its V, so a block is an opaque page whose meaning depends on the backend;
+the daemon's model id carries the backend, dtype and block size so pages of different layouts
+never mix. A daemon that is down, dies or restarts costs hits, never a request: lookups then
+miss, and blocks whose load fails are reported to vLLM to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.core.keys import ChunkKey
+from kvtier.engines.hf import model_fingerprint
+from kvtier.server.client import DaemonUnavailable, StoreClient
+
+log = logging.getLogger(__name__)
+
+
+def engine_model_id(fingerprint: str, dtype: str, block_size: int, device: str = "cpu") -> str:
+    """The ``model`` a daemon serving this connector must be started with."""
+    return f"{fingerprint}/vllm-{device}-{dtype}-bs{block_size}"
+
+
+@dataclass
+class ChunkTransfer:
+    """Chunks ``first_chunk ..`` of one request, and the request's block ids."""
+
+    req_id: str
+    keys: list[ChunkKey]
+    first_chunk: int
+    block_ids: list[int]
+    skip_blocks: int = 0
+    """Blocks vLLM already has (its own prefix cache): not to be overwritten."""
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    keys: list[ChunkKey]
+    block_ids: list[int]
+    saved: int
+    """Chunks known to be stored (hit or already sent for saving)."""
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        socket_path = cfg.get_from_extra_config("socket", None)
+        if not socket_path:
+            raise ValueError("KVTierConnector needs kv_connector_extra_config.socket (the daemon's socket)")
+        self.block_size = vllm_config.cache_config.block_size
+        self.model_id = cfg.get_from_extra_config("model_id", None) or engine_model_id(
+            model_fingerprint(vllm_config.model_config.model),
+            str(vllm_config.model_config.dtype).removeprefix("torch."), self.block_size,
+        )
+        self.client = StoreClient(str(socket_path), retry_s=float(cfg.get_from_extra_config("retry_s", 1.0)))
+        self._role = role
+        # scheduler state
+        self._lookups: dict[str, tuple[list[ChunkKey], int]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[ChunkTransfer] = []
+        self._hints = ThreadPoolExecutor(1, "kvtier-hints")
+        self._hint_client = StoreClient(str(socket_path), retry_s=1.0)
+        # worker state
+        self._kv: list[torch.Tensor] = []
+        self._layer_of: dict[str, int] = {}
+        self._load_events: list[threading.Event] = []
+        self._load_thread: threading.Thread | None = None
+        self._pinned: list[ChunkKey] = []
+        self._failed_blocks: set[int] = set()
+        self._pending_saves: list[tuple[ChunkTransfer, list[torch.Tensor | None]]] = []
+
+    # -- geometry -------------------------------------------------------------------------------
+    def _chunk_tokens(self) -> int | None:
+        layout = self.client.layout
+        if layout is None:
+            return None
+        if self.client.model != self.model_id:
+            log.error("kvtier daemon serves model %r, this vLLM needs %r; start it with --model %s",
+                      self.client.model, self.model_id, self.model_id)
+            return None
+        if layout.chunk_tokens % self.block_size:
+            log.error("kvtier chunk of %d tokens is not a multiple of vLLM's block size %d; disabled",
+                      layout.chunk_tokens, self.block_size)
+            return None
+        return layout.chunk_tokens
+
+    # ==================================================================== scheduler side
+    def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
+        prompt = list(request.prompt_token_ids or [])
+
+        def hint() -> None:
+            try:
+                self._hint_client.prefetch(self._hint_client.keys_for(prompt[:-1]))
+            except DaemonUnavailable:
+                pass
+
+        self._hints.submit(hint)  # SSD -> DRAM while the request waits in the queue
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
+        prompt = list(request.prompt_token_ids or [])
+        if self._chunk_tokens() is None or len(prompt) < 2:
+            return 0, False
+        hit = self.client.lookup(prompt[:-1])  # one token must be left to compute
+        self._lookups[request.request_id] = (hit.keys, num_computed_tokens)
+        return max(0, hit.hit_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
+        keys, local = self._lookups.pop(request.request_id, ([], 0))
+        if num_external_tokens <= 0:
+            return
+        c = self._chunk_tokens() or 0
+        total = local + num_external_tokens
+        if not c or total > len(keys) * c:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = local // c
+        self._loads.append(ChunkTransfer(
+            req_id=request.request_id, keys=keys[first : total // c], first_chunk=first,
+            block_ids=block_ids[: total // self.block_size], skip_blocks=local // self.block_size,
+        ))
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:  # type: ignore[no-untyped-def]
+        so = scheduler_output
+        meta = KVTierMetadata(loads=self._loads)
+        self._loads = []
+        c = self._chunk_tokens()
+        if c is None:
+            return meta
+        for r in so.scheduled_new_reqs:
+            prompt = list(r.prompt_token_ids or [])
+            try:
+                keys = self.client.keys_for(prompt)
+            except DaemonUnavailable:
+                continue
+            hit_chunks = min(r.num_computed_tokens // c, len(keys))
+            self._requests[r.req_id] = _Request(prompt, keys, list(r.block_ids[0]), hit_chunks)
+            self._plan_saves(meta, r.req_id, r.num_computed_tokens + so.num_scheduled_tokens[r.req_id], c)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan_saves(meta, req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], c)
+        for req_id in so.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _plan_saves(self, meta: KVTierMetadata, req_id: str, done_tokens: int, c: int) -> None:
+        """Save the prompt chunks this step completes."""
+        state = self._requests[req_id]
+        full = min(done_tokens, len(state.prompt)) // c
+        if full > state.saved and full * c // self.block_size <= len(state.block_ids):
+            meta.saves.append(ChunkTransfer(
+                req_id=req_id, keys=state.keys[state.saved : full], first_chunk=state.saved,
+                block_ids=state.block_ids[: full * c // self.block_size],
+            ))
+            state.saved = full
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # type: ignore[no-untyped-def]
+        self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    def update_connector_output(self, connector_output) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    def take_events(self):  # type: ignore[no-untyped-def]
+        return ()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: vLLM never waits for it to deliver
+
+    # ======================================================================= worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = list(kv_caches.values())
+        self._layer_of = {name: i for i, name in enumerate(kv_caches)}
+
+    def _pages(self, chunk_bytes: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer of one chunk as vLLM pages: ``[blocks_per_chunk, *page_shape]``."""
+        layout = self.client.layout
+        assert layout is not None
+        kv = self._kv[layer]
+        lo = layout.layer_offset(layer)
+        raw = chunk_bytes[lo : lo + layout.layer_bytes].view(kv.dtype)
+        return raw.view(layout.chunk_tokens // self.block_size, *kv.shape[1:])
+
+    def _check_geometry(self) -> bool:
+        layout = self.client.layout
+        if layout is None or self._chunk_tokens() is None:
+            return False
+        page = self._kv[0][0]
+        ok = (len(self._kv) == layout.num_layers and page.numel() * page.element_size() * (
+            layout.chunk_tokens // self.block_size) == layout.layer_bytes)
+        if not ok:
+            log.error("kvtier daemon layout %s does not match vLLM's KV cache %s x %d layers; disabled",
+                      layout, tuple(self._kv[0].shape), len(self._kv))
+        return ok
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._failed_blocks = set()
+        if not meta.loads or not self._check_geometry():
+            for load in meta.loads:  # nothing can be loaded: let vLLM recompute these blocks
+                self._failed_blocks.update(load.block_ids[load.skip_blocks :])
+            return
+        plan: list[tuple[ChunkTransfer, list[torch.Tensor]]] = []
+        per_chunk = self.client.layout.chunk_tokens // self.block_size  # type: ignore[union-attr]
+        for load in meta.loads:
+            views = self.client.acquire(load.keys)
+            self._pinned.extend(load.keys[: len(views)])
+            plan.append((load, views))
+            # chunks the daemon could not give (lost, or the daemon died) are recomputed by vLLM
+            loaded = (load.first_chunk + len(views)) * per_chunk
+            self._failed_blocks.update(load.block_ids[max(loaded, load.skip_blocks) :])
+        self._load_events = [threading.Event() for _ in self._kv]
+        self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
+                                             name="kvtier-vllm-load")
+        self._load_thread.start()
+
+    def _copy_in(self, plan: list[tuple[ChunkTransfer, list[torch.Tensor]]]) -> None:
+        try:
+            with torch.inference_mode():
+                for layer, kv in enumerate(self._kv):
+                    for load, views in plan:
+                        per_chunk = len(self._pages(views[0], layer)) if views else 0
+                        for j, view in enumerate(views):
+                            pages = self._pages(view, layer)
+                            base = (load.first_chunk + j) * per_chunk
+                            for p in range(per_chunk):
+                                if base + p >= load.skip_blocks:
+                                    kv[load.block_ids[base + p]].copy_(pages[p])
+                    self._load_events[layer].set()
+        finally:
+            for event in self._load_events:
+                event.set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._load_events:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self._load_events[layer].wait()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        layer = self._layer_of.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        if layer == 0:
+            self._pending_saves = []
+            if self._check_geometry():
+                for save in meta.saves:
+                    self._pending_saves.append((save, self.client.reserve(save.keys)))
+        layout = self.client.layout
+        if layout is None:
+            return
+        per_chunk = layout.chunk_tokens // self.block_size
+        with torch.inference_mode():
+            for save, views in self._pending_saves:
+                for j, view in enumerate(views):
+                    if view is None:
+                        continue
+                    base = (save.first_chunk + j) * per_chunk
+                    idx = torch.tensor(save.block_ids[base : base + per_chunk], device=kv_layer.device)
+                    self._pages(view, layer).copy_(kv_layer.index_select(0, idx))
+
+    def wait_for_save(self) -> None:
+        if self._load_thread is not None:
+            self._load_thread.join()
+            self._load_thread = None
+            self._load_events = []
+            self.client.release(self._pinned)
+            self._pinned = []
+        for save, views in self._pending_saves:
+            written = [k for k, v in zip(save.keys, views) if v is not None]
+            self.client.commit(written, ok=True)
+        self._pending_saves = []
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def shutdown(self) -> None:
+        self._hints.shutdown(wait=False)
+        self.client.close()
+        self._hint_client.close()
