@@ -2,6 +2,7 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.engines.vllm_connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/run/kvtier.sock"}}'
 
 with a store daemon running (``kvtier store serve``, see :func:`engine_model_id` for the
@@ -82,6 +83,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
+        if cfg.kv_load_failure_policy != "recompute":
+            # kvtier is a cache: a chunk it cannot deliver (daemon gone, chunk damaged) must be
+            # recomputed, never fail the request. vLLM's scheduler reads this right after
+            # creating its connector, so setting it here takes effect; say so.
+            log.info("kvtier: setting kv_load_failure_policy='recompute' (was %r)", cfg.kv_load_failure_policy)
+            cfg.kv_load_failure_policy = "recompute"
         socket_path = cfg.get_from_extra_config("socket", None)
         if not socket_path:
             raise ValueError("KVTierConnector needs kv_connector_extra_config.socket (the daemon's socket)")

@@ -93,21 +93,31 @@ class StoreClient:
         return self._att
 
     def _call(self, op: str, **fields: object) -> dict[str, object]:
+        """One request. A connection that breaks is dropped and, if it had been up (the
+        daemon may have restarted since), the request is tried once more on a new one."""
         with self._lock:
-            att = self._connect()
-            try:
-                protocol.send(self._sock, {"op": op, **fields})  # type: ignore[arg-type]
-                reply = protocol.recv(self._sock)  # type: ignore[arg-type]
-            except (OSError, protocol.ProtocolError) as exc:
-                self._drop()
-                raise DaemonUnavailable(str(exc)) from exc
-            if reply is None:
-                self._drop()
-                raise DaemonUnavailable("the daemon closed the connection")
-            if not reply.get("ok"):
-                raise DaemonUnavailable(str(reply.get("error")))
-            del att
-            return reply
+            for attempt in (0, 1):
+                was_up = self._sock is not None
+                if attempt:
+                    self._next_try = 0.0
+                self._connect()
+                try:
+                    protocol.send(self._sock, {"op": op, **fields})  # type: ignore[arg-type]
+                    reply = protocol.recv(self._sock)  # type: ignore[arg-type]
+                except (OSError, protocol.ProtocolError) as exc:
+                    self._drop()
+                    if attempt or not was_up:
+                        raise DaemonUnavailable(str(exc)) from exc
+                    continue
+                if reply is None:
+                    self._drop()
+                    if attempt or not was_up:
+                        raise DaemonUnavailable("the daemon closed the connection")
+                    continue
+                if not reply.get("ok"):
+                    raise DaemonUnavailable(str(reply.get("error")))
+                return reply
+            raise DaemonUnavailable("unreachable")  # pragma: no cover - the loop returns or raises
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -149,8 +159,9 @@ class StoreClient:
         Call :meth:`release` with ``keys[:len(views)]`` when done. [] if the daemon is down."""
         try:
             with self._lock:
-                att = self._connect()
-                return self._views(att, list(self._call("acquire", keys=list(keys))["slots"]))  # type: ignore[call-overload]
+                slots = list(self._call("acquire", keys=list(keys))["slots"])  # type: ignore[call-overload]
+                # the arena of the daemon that answered (a restart re-attaches inside _call)
+                return self._views(self._att, slots)  # type: ignore[arg-type]
         except DaemonUnavailable as exc:
             self._failed("acquire", exc)
             return []
@@ -168,12 +179,12 @@ class StoreClient:
         shorter than ``keys`` when DRAM has no room. :meth:`commit` the written keys after."""
         try:
             with self._lock:
-                att = self._connect()
                 slots = list(self._call("reserve", keys=list(keys))["slots"])  # type: ignore[call-overload]
+                att = self._att
         except DaemonUnavailable as exc:
             self._failed("reserve", exc)
             return []
-        views = self._views(att, [max(s, 0) for s in slots])
+        views = self._views(att, [max(s, 0) for s in slots])  # type: ignore[arg-type]
         return [v if s >= 0 else None for v, s in zip(views, slots)]
 
     def commit(self, keys: Sequence[ChunkKey], ok: bool = True) -> int:
@@ -212,8 +223,9 @@ class StoreClient:
         try:
             while done < len(hit.keys):
                 with self._lock:
-                    att = self._connect()
                     slots = list(self._call("acquire", keys=hit.keys[done:])["slots"])  # type: ignore[call-overload]
+                    att = self._att  # the arena of the daemon that answered
+                assert att is not None
                 layout = att.layout
                 if not slots:
                     break
@@ -253,6 +265,8 @@ class StoreClient:
         try:
             while done < len(keys):
                 slots = list(self._call("reserve", keys=keys[done:])["slots"])  # type: ignore[call-overload]
+                if self._att is not att:  # the daemon restarted: its namespace may differ
+                    raise DaemonUnavailable("the daemon restarted during a save")
                 if not slots:
                     break  # no room at all: every resident chunk is pinned
                 pending = [(done + i, s) for i, s in enumerate(slots) if s >= 0]

