@@ -1,0 +1,206 @@
+"""Trace replay: how much prefill a placement policy saves, at what DRAM and SSD capacity.
+
+Each request of a :class:`~kvtier.bench.trace.Trace` is served FIFO by the first free of
+``instances`` prefill instances. At its start the policies hear ``begin``; the requests that
+have arrived by then (up to the policy's ``lookahead``) are announced with ``hint`` and their
+chunks prefetched into DRAM while the queue's chunks fit in DRAM (prefetch is assumed to finish
+in the background before use). The request then does what an engine does with the store:
+``lookup``, ``load``, ``save`` of all its blocks, on a :class:`~kvtier.core.placement.Placement`
+driven by the very policy objects of :data:`~kvtier.core.policy.POLICIES`.
+
+Its prefill time is the recompute of the tokens after the loaded prefix (the
+:class:`~kvtier.core.cost_model.ComputeModel`, attention growing with position) plus the time to
+read each loaded chunk from its tier; TTFT is queueing plus prefill (decoding is not modelled:
+prefill instances, as in Mooncake). ``prefill_saved`` is the share of prefill time saved against
+no cache; ``compute_saved`` the share of FLOPs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace
+from kvtier.core.cost_model import ComputeModel
+from kvtier.core.layout import KVLayout
+from kvtier.core.placement import Placement, PlacementConfig
+from kvtier.core.policies.base import TierContext
+from kvtier.core.policy import POLICIES
+
+LLAMA3_8B_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                            chunk_tokens=MOONCAKE_BLOCK_TOKENS)
+SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One replay: a policy, tier capacities in blocks, the hardware and the model."""
+
+    policy: str = "lru"
+    dram_blocks: int = 4096
+    ssd_blocks: int = 0
+    """0: no SSD tier."""
+    layout: KVLayout = LLAMA3_8B_LAYOUT
+    dram_read_GBps: float = 20.0
+    ssd_read_GBps: float = 5.0
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    instances: int = 4
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known policies: {list(POLICIES)}")
+        if self.layout.chunk_tokens != MOONCAKE_BLOCK_TOKENS:
+            raise ValueError(f"layout.chunk_tokens must be {MOONCAKE_BLOCK_TOKENS} (Mooncake blocks)")
+        if not isinstance(self.instances, int) or self.instances <= 0:
+            raise ValueError(f"instances must be a positive int, got {self.instances!r}")
+        for name in ("dram_read_GBps", "ssd_read_GBps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        PlacementConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
+
+    def load_s(self, level: int) -> float:
+        gbps = self.dram_read_GBps if level == 0 else self.ssd_read_GBps
+        return self.layout.chunk_bytes / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    dram_blocks: int
+    ssd_blocks: int
+    requests: int
+    hit_ratio_blocks: float
+    hit_ratio_tokens: float
+    hit_ratio_dram: float
+    hit_ratio_ssd: float
+    prefill_saved: float
+    compute_saved: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ssd_bytes_written: int
+    ssd_bytes_read: int
+    prefetch_accuracy: float | None
+    """Share of prefetched chunks a lookup then found in DRAM; None if nothing was prefetched."""
+    refused_blocks: int
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
+    """Replay ``trace`` under ``config``. Deterministic."""
+    compute, c = config.compute, MOONCAKE_BLOCK_TOKENS
+    pcfg = PlacementConfig(config.policy, config.dram_blocks, config.ssd_blocks)
+    future = trace.future() if config.policy == "optimal" else None
+    contexts = [TierContext(level=lvl, chunk_load_s=config.load_s(lvl), chunk_tokens=c,
+                            compute=compute, future=future) for lvl in range(len(pcfg.capacities))]
+    place = Placement(pcfg, contexts)
+    load_s = [config.load_s(lvl) for lvl in range(2)]
+    lookahead = place.lookahead
+    requests = trace.requests
+    n = len(requests)
+    free = [0.0] * config.instances  # when each instance is next free
+    ttft = np.empty(n)
+    base_s = cached_s = base_flops = cached_flops = 0.0
+    hit_blocks = hit_tokens = total_tokens = 0
+    announced = window_blocks = 0
+    for seq, req in enumerate(requests):
+        start = max(req.arrival_s, free[0])
+        place.begin(seq, start)
+        if announced <= seq:
+            announced = seq
+        else:
+            window_blocks -= len(req.keys)
+        # Announce the queue (this request first): what has arrived by `start`.
+        while announced < n and announced < seq + max(lookahead, 1) and (
+            announced == seq or requests[announced].arrival_s <= start
+        ):
+            if lookahead and announced > seq:
+                queued = requests[announced].keys
+                place.hint(announced, queued)
+                window_blocks += len(queued)
+                if window_blocks <= config.dram_blocks:
+                    place.prefetch(queued)
+            announced += 1
+        hit = place.lookup(req.keys)
+        sources = place.load(hit)
+        place.save(req.keys)
+        got = min(len(sources) * c, req.input_length)
+        flops = compute.prefill_flops(got, req.input_length)
+        full = compute.prefill_flops(0, req.input_length)
+        service = flops / compute.flops + sum(load_s[lvl] for lvl in sources)
+        heapq.heapreplace(free, start + service)
+        ttft[seq] = start + service - req.arrival_s
+        hit_blocks += len(sources)
+        hit_tokens += got
+        total_tokens += req.input_length
+        base_s += full / compute.flops
+        cached_s += service
+        base_flops += full
+        cached_flops += flops
+    st = place.stats
+    total_blocks = trace.total_blocks
+    chunk_bytes = config.layout.chunk_bytes
+    return ReplayResult(
+        policy=config.policy,
+        dram_blocks=config.dram_blocks,
+        ssd_blocks=config.ssd_blocks,
+        requests=n,
+        hit_ratio_blocks=hit_blocks / total_blocks if total_blocks else 0.0,
+        hit_ratio_tokens=hit_tokens / total_tokens if total_tokens else 0.0,
+        hit_ratio_dram=st.hits[0] / total_blocks if total_blocks else 0.0,
+        hit_ratio_ssd=st.hits[1] / total_blocks if total_blocks else 0.0,
+        prefill_saved=1.0 - cached_s / base_s if base_s else 0.0,
+        compute_saved=1.0 - cached_flops / base_flops if base_flops else 0.0,
+        ttft_mean_s=float(ttft.mean()),
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        ssd_bytes_written=st.demotions * chunk_bytes,
+        ssd_bytes_read=st.ssd_reads * chunk_bytes,
+        prefetch_accuracy=st.prefetch_hits / st.prefetched if st.prefetched else None,
+        refused_blocks=st.refused,
+    )
+
+
+def sweep(trace: Trace, base: ReplayConfig, policies: list[str],
+          fractions: tuple[float, ...] = SWEEP_FRACTIONS) -> list[ReplayResult]:
+    """Each policy at DRAM capacities of ``fractions`` of the trace's unique blocks (SSD as in
+    ``base``). Results by capacity, then policy."""
+    if not fractions or any(not 0 < f for f in fractions):
+        raise ValueError(f"fractions must be positive, got {fractions!r}")
+    results = []
+    for f in fractions:
+        dram = max(1, round(f * trace.unique_blocks))
+        for policy in policies:
+            cfg = ReplayConfig(policy=policy, dram_blocks=dram, ssd_blocks=base.ssd_blocks,
+                               layout=base.layout, dram_read_GBps=base.dram_read_GBps,
+                               ssd_read_GBps=base.ssd_read_GBps, compute=base.compute,
+                               instances=base.instances)
+            results.append(replay(trace, cfg))
+    return results
+
+
+def plot(results: list[ReplayResult], unique_blocks: int, path: str) -> None:
+    """Hit ratio (blocks) against DRAM capacity, one line per policy, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = sorted((r for r in results if r.policy == policy), key=lambda r: r.dram_blocks)
+        ax.plot([100 * r.dram_blocks / unique_blocks for r in rows],
+                [100 * r.hit_ratio_blocks for r in rows], marker="o", label=policy)
+    ssd = {r.ssd_blocks for r in results}
+    ax.set_xlabel("DRAM capacity, % of the trace's unique blocks")
+    ax.set_ylabel("hit ratio, % of blocks")
+    ax.set_title(f"hit ratio by DRAM capacity (SSD: {', '.join(str(s) for s in sorted(ssd))} blocks)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,120 @@
+"""Request traces in Mooncake's format (FAST'25 release): one JSON object a line.
+
+``timestamp``: arrival in ms; ``input_length`` and ``output_length``: tokens; ``hash_ids``:
+ids of the prompt's 512-token blocks, prefix-chained (two prompts share block ``i``'s id only if
+they share every token up to the end of that block; the last, partial block gets an id too).
+Sessions are not given and not needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    arrival_s: float
+    input_length: int
+    output_length: int
+    keys: list[ChunkKey]
+    """One key per block id, in prefix order."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    requests: list[Request]
+    """In service order: by arrival, ties in file order."""
+    unique_blocks: int
+    name: str = ""
+    _future: dict[ChunkKey, list[int]] = field(default_factory=dict, repr=False, compare=False)
+
+    def future(self) -> dict[ChunkKey, list[int]]:
+        """For each key, the ascending numbers of the requests that use it (built once)."""
+        if not self._future:
+            for seq, req in enumerate(self.requests):
+                for key in dict.fromkeys(req.keys):
+                    self._future.setdefault(key, []).append(seq)
+        return self._future
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(len(r.keys) for r in self.requests)
+
+
+def _field_int(obj: dict[str, object], name: str, where: str) -> int:
+    value = obj.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TraceError(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_trace(lines: Iterable[str], name: str = "<trace>") -> Trace:
+    """Parse Mooncake JSONL. Blank lines are skipped; anything else malformed raises
+    :class:`TraceError` naming ``name`` and the line number."""
+    interned: dict[int, ChunkKey] = {}
+    rows: list[Request] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{name}, line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        stamp = obj.get("timestamp")
+        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or stamp < 0:
+            raise TraceError(f"{where}: 'timestamp' must be a non-negative number of ms, got {stamp!r}")
+        input_length = _field_int(obj, "input_length", where)
+        output_length = _field_int(obj, "output_length", where)
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list):
+            raise TraceError(f"{where}: 'hash_ids' must be a list of integers, got {ids!r}")
+        keys: list[ChunkKey] = []
+        for h in ids:
+            key = interned.get(h) if isinstance(h, int) and not isinstance(h, bool) else None
+            if key is None:
+                if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < 1 << (8 * KEY_BYTES):
+                    raise TraceError(f"{where}: hash id {h!r} is not a non-negative integer")
+                key = interned[h] = ChunkKey(h.to_bytes(KEY_BYTES, "little"))
+            keys.append(key)
+        if len(keys) * MOONCAKE_BLOCK_TOKENS < input_length or (
+            keys and (len(keys) - 1) * MOONCAKE_BLOCK_TOKENS >= input_length
+        ):
+            raise TraceError(
+                f"{where}: {len(keys)} hash ids do not cover input_length {input_length} "
+                f"in blocks of {MOONCAKE_BLOCK_TOKENS} tokens"
+            )
+        rows.append(Request(stamp / 1000.0, input_length, output_length, keys))
+    if not rows:
+        raise TraceError(f"{name}: no requests")
+    rows.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    return Trace(requests=rows, unique_blocks=len(interned), name=name)
+
+
+def load_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return parse_trace(f, name=str(path))
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+
+
+def write_request(out: TextIO, timestamp_ms: int, input_length: int, output_length: int,
+                  hash_ids: Sequence[int]) -> None:
+    out.write(json.dumps({"timestamp": timestamp_ms, "input_length": input_length,
+                          "output_length": output_length, "hash_ids": list(hash_ids)}) + "\n")

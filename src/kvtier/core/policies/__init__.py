@@ -1,0 +1,1 @@
+"""Placement policies. Pick one by name through :data:`kvtier.core.policy.POLICIES`."""

@@ -1,0 +1,98 @@
+"""The contract between a store (or the replay simulator) and a placement policy.
+
+A store keeps one policy instance per tier. The policy only orders keys; it never touches a tier
+(the store asks it for candidates, skips the ones that are pinned, and moves the bytes).
+
+Call order, per tier:
+
+- ``insert`` when a chunk lands in the tier, ``remove`` when it leaves (evicted or lost);
+- ``touch`` when a sequence's chunks are looked up, loaded, saved or prefetched: ``keys[i]`` is
+  chunk ``i`` of the sequence (always a prefix, from the first chunk), so ``i`` is its position;
+  every tier's policy is touched, including for keys the tier does not hold;
+- ``victim`` names the key to evict next among those the store says it may evict (not pinned);
+- ``admit`` is asked before a chunk is written into the tier (saved into DRAM, demoted to SSD);
+  a refused chunk is not written there (a save stops at the first refusal, since a chunk without
+  its prefix can never hit).
+
+Optional scheduler hooks (defaults do nothing), for policies that look at the request queue:
+
+- ``begin(seq, now)`` when request number ``seq`` (0, 1, ... in service order) starts being
+  served at ``now`` seconds; it comes before that request's lookup;
+- ``hint(seq, keys)`` when request ``seq``, arrived but not yet served, is known to need ``keys``
+  (prefix order). Only policies with ``lookahead > 0`` get hints: the scheduler announces up to
+  ``lookahead`` queued requests, and also prefetches their chunks into DRAM.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.cost_model import ComputeModel
+from kvtier.core.keys import ChunkKey
+
+FutureUses = Mapping[ChunkKey, Sequence[int]]
+"""For each key, the ascending request numbers (service order) that will use it. Offline only."""
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a policy instance may know about its tier and the model served."""
+
+    level: int = 0
+    """0 is the fastest tier (DRAM), 1 the next (SSD)."""
+    chunk_load_s: float = 0.0
+    """Seconds to read one chunk from this tier."""
+    chunk_tokens: int = 512
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    future: FutureUses | None = None
+    """The whole future of a trace; only the offline ``optimal`` bound takes it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.level, int) or self.level < 0:
+            raise ValueError(f"TierContext.level must be a non-negative int, got {self.level!r}")
+        if not self.chunk_load_s >= 0:
+            raise ValueError(f"TierContext.chunk_load_s must be >= 0, got {self.chunk_load_s!r}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= 0:
+            raise ValueError(f"TierContext.chunk_tokens must be a positive int, got {self.chunk_tokens!r}")
+
+    def miss_saving_s(self, position: int) -> float:
+        """Prefill time a hit on chunk ``position`` in this tier saves (never negative)."""
+        recompute = self.compute.chunk_recompute_s(position, self.chunk_tokens)
+        return max(recompute - self.chunk_load_s, 0.0)
+
+
+class EvictionPolicy(ABC):
+    """Orders the chunks of one tier for eviction (see the module docstring for call order)."""
+
+    lookahead: int = 0
+    """Queued requests this policy wants announced through :meth:`hint` (0: none)."""
+
+    @abstractmethod
+    def insert(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` are one sequence's chunks, in prefix order from the first, just used."""
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
+        """The key to evict next among those for which ``evictable`` is true; None if none."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def admit(self, key: ChunkKey, position: int | None) -> bool:
+        """Whether chunk ``position`` of a sequence (None: not known, as on demotion) may be
+        written into this tier."""
+        return True
+
+    def begin(self, seq: int, now: float) -> None:
+        """Request ``seq`` starts being served at ``now`` seconds."""
+
+    def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
+        """Request ``seq``, queued, will need ``keys``; it leaves the queue at ``begin(seq)``."""

@@ -1,0 +1,208 @@
+"""``cost``: keep the chunks that save the most prefill time per byte.
+
+A chunk's value in a tier is ``P(reused) x (time to recompute it - time to load it from this
+tier)``. Recompute time comes from the :class:`~kvtier.core.cost_model.ComputeModel` and grows
+with the chunk's position (its tokens attend to the whole history before them). ``P(reused)`` is
+learned online from the traffic itself: for chunks used ``u`` times so far (1, 2, 3, 4+) and
+whose sequence's first chunk (its prefix family: a system prompt, a shared document) has or has
+not been reused, the share that were used again.
+
+Recency enters GreedyDual-style (Cao and Irani, 1997): a touched chunk gets priority
+``L + value``, the victim is the lowest priority, and ``L`` rises to each victim's priority, so
+a chunk not used for a while falls behind newer ones in proportion to its value. Prefix-aware:
+along a sequence, a chunk's value is at least that of any later chunk (losing it loses them),
+and among equal priorities the deepest chunk goes first.
+
+Like ``attentionstore`` it protects the chunks the queued requests need (and the scheduler
+prefetches them). Admission: once the SSD tier has had to evict, a demoted chunk
+whose learned reuse probability is below ``MIN_ADMIT_P`` is not written to it (saving SSD
+writes); DRAM admits everything, since a chunk it refuses would be stored nowhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.policies.attentionstore import LOOKAHEAD
+from kvtier.core.policies.base import EvictionPolicy, TierContext
+from kvtier.core.policies.window import QueueWindow
+
+MAX_USES = 4
+MAX_TAIL = 4
+MIN_ADMIT_P = 0.01
+MIN_SAMPLES = 256
+FRESH = float("inf")
+MAX_GHOSTS = 1 << 20
+"""Keys remembered (use counts, position) beyond those resident; the oldest are forgotten."""
+
+
+def _class_of(uses: int, tail: int) -> int:
+    return min(uses, MAX_USES) * (MAX_TAIL + 1) + min(tail, MAX_TAIL)
+
+
+@dataclass(slots=True)
+class _Meta:
+    uses: int
+    position: int
+    cls: int
+    last_epoch: int
+
+
+class _ReuseModel:
+    """P(a chunk is used again | its class), counted online.
+
+    The class is the chunk's use count so far (1, 2, 3, 4+) and how far it is from the end of
+    the sequence that last used it (0 for the last chunk, up to 4+): a conversation's next turn
+    reuses its whole prompt, but a prompt's last chunks are often only partly filled or
+    specific to that one question, and are reused far less.
+    """
+
+    def __init__(self) -> None:
+        size = (MAX_USES + 1) * (MAX_TAIL + 1)
+        self._seen = [0] * size
+        self._reused = [0] * size
+
+    def seen(self, cls: int, delta: int = 1) -> None:
+        self._seen[cls] += delta
+
+    def reused(self, cls: int) -> None:
+        self._reused[cls] += 1
+
+    def samples(self, cls: int) -> int:
+        return self._seen[cls]
+
+    def p(self, cls: int) -> float:
+        return (self._reused[cls] + 1) / (self._seen[cls] + 2)
+
+
+class CostPolicy(EvictionPolicy):
+    lookahead = LOOKAHEAD
+
+    def __init__(self, context: TierContext | None = None) -> None:
+        self._ctx = context or TierContext()
+        self._saving: list[float] = []
+        self._meta: OrderedDict[ChunkKey, _Meta] = OrderedDict()
+        self._model = _ReuseModel()
+        self._resident: dict[ChunkKey, float] = {}  # key -> priority it was queued with
+        self._heap: list[tuple[float, int, int, ChunkKey]] = []  # (priority, -position, tie, key)
+        self._tie = itertools.count()
+        self._inflation = 0.0
+        self._epoch = 0
+        self._epochs_from_begin = False
+        self._window = QueueWindow()
+        self._pressed = False  # the tier has had to evict
+
+    # -- scheduler hooks ----------------------------------------------------------------------
+    def begin(self, seq: int, now: float) -> None:
+        self._epochs_from_begin = True
+        self._epoch = seq + 1
+        self._window.leave_through(seq)
+
+    def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
+        self._window.join(seq, keys)
+
+    # -- value --------------------------------------------------------------------------------
+    def _saving_at(self, position: int) -> float:
+        saving = self._saving
+        while len(saving) <= position:
+            saving.append(self._ctx.miss_saving_s(len(saving)))
+        return saving[position]
+
+    def _value(self, meta: _Meta) -> float:
+        return self._model.p(meta.cls) * self._saving_at(meta.position)
+
+    def _queue(self, key: ChunkKey, priority: float, position: int) -> None:
+        self._resident[key] = priority
+        heapq.heappush(self._heap, (priority, -position, next(self._tie), key))
+        if len(self._heap) > 4 * len(self._resident) + 1024:
+            self._heap = [e for e in self._heap if self._resident.get(e[3]) == e[0]]
+            heapq.heapify(self._heap)
+
+    # -- EvictionPolicy -----------------------------------------------------------------------
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        if not keys:
+            return
+        if not self._epochs_from_begin:
+            self._epoch += 1  # no scheduler: every touch counts as a use
+        epoch, metas, model = self._epoch, self._meta, self._model
+        last = len(keys) - 1
+        for pos, key in enumerate(keys):
+            cls = _class_of(1, last - pos)
+            meta = metas.get(key)
+            if meta is None:
+                metas[key] = _Meta(1, pos, cls, epoch)
+                model.seen(cls)
+                continue
+            if meta.last_epoch != epoch:  # a new use
+                model.reused(meta.cls)
+                meta.uses += 1
+                meta.last_epoch = epoch
+                metas.move_to_end(key)
+            else:  # touched again in the same use (lookup, then save): re-classify
+                model.seen(meta.cls, -1)
+            meta.position = pos
+            meta.cls = _class_of(meta.uses, last - pos)
+            model.seen(meta.cls)
+        while len(metas) > MAX_GHOSTS + len(self._resident):
+            metas.popitem(last=False)
+        value = 0.0
+        resident = self._resident
+        for pos in range(last, -1, -1):
+            key = keys[pos]
+            value = max(value, self._value(metas[key]))
+            if key in resident:
+                self._queue(key, self._inflation + value, pos)
+
+    def insert(self, key: ChunkKey) -> None:
+        meta = self._meta.get(key)
+        if meta is None:
+            # A chunk being saved: the save's touch, which the store always makes right after
+            # its inserts, sets its real priority. Until then it must not be the next victim.
+            self._queue(key, FRESH, 0)
+        else:
+            self._queue(key, self._inflation + self._value(meta), meta.position)
+
+    def admit(self, key: ChunkKey, position: int | None) -> bool:
+        if self._ctx.level == 0 or not self._pressed:
+            return True  # refused by DRAM a saved chunk is stored nowhere; with room, keep all
+        meta = self._meta.get(key)
+        if meta is None or self._model.samples(meta.cls) < MIN_SAMPLES:
+            return True
+        return self._model.p(meta.cls) >= MIN_ADMIT_P
+
+    def remove(self, key: ChunkKey) -> None:
+        self._resident.pop(key, None)
+
+    def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
+        heap, resident, window = self._heap, self._resident, self._window
+        self._pressed = True
+        aside: list[tuple[float, int, int, ChunkKey]] = []
+        found: ChunkKey | None = None
+        needed: list[tuple[int, ChunkKey, float]] = []
+        while heap:
+            entry = heapq.heappop(heap)
+            key = entry[3]
+            if resident.get(key) != entry[0]:
+                continue  # stale: removed, or queued again since
+            aside.append(entry)
+            if not evictable(key):
+                continue
+            need = window.next_need(key)
+            if need is None:
+                found = key
+                self._inflation = max(self._inflation, entry[0])
+                break
+            needed.append((need, key, entry[0]))
+        if found is None and needed:  # every candidate is needed soon: the farthest goes
+            _, found, _ = max(needed, key=lambda n: n[0])
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._resident)

@@ -1,0 +1,142 @@
+"""Trace replay on traces the tests write themselves."""
+
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.bench.replay import ReplayConfig, replay, sweep
+from kvtier.bench.trace import TraceError, load_trace, parse_trace
+from kvtier.bench.workload import WorkloadConfig, generate
+from kvtier.cli import main
+
+
+def line(ts: int, ids: list[int], input_length: int | None = None) -> str:
+    n = input_length if input_length is not None else 512 * len(ids)
+    return json.dumps({"timestamp": ts, "input_length": n, "output_length": 1, "hash_ids": ids})
+
+
+def sessions_trace(requests: int = 1500, seed: int = 1) -> str:
+    out = io.StringIO()
+    generate(WorkloadConfig(requests=requests, session_rate=2.0, think_mean_s=120.0,
+                            system_tokens=1024, seed=seed), out)
+    return out.getvalue()
+
+
+def test_the_same_conversation_twice_hits_everything_but_the_partial_block():
+    # The first prompt's last block (id 3) is partial; the follow-up's block 2 holds more
+    # tokens, so it has a new id (4) and only the two full blocks hit.
+    trace = parse_trace([line(0, [1, 2, 3], 1300), line(1000, [1, 2, 4, 5], 1800)])
+    r = replay(trace, ReplayConfig(dram_blocks=100))
+    assert r.hit_ratio_blocks == pytest.approx(2 / 7)
+    assert r.hit_ratio_tokens == pytest.approx(1024 / 3100)
+    assert 0 < r.prefill_saved < 1 and r.ttft_p99_s >= r.ttft_p50_s > 0
+
+
+def test_a_tiny_dram_with_an_ssd_serves_from_ssd_and_counts_its_bytes():
+    trace = parse_trace([line(0, [1, 2, 3]), line(1, [9, 8, 7]), line(2, [1, 2, 3])])
+    config = ReplayConfig(dram_blocks=3, ssd_blocks=10)
+    r = replay(trace, config)
+    assert r.hit_ratio_ssd == pytest.approx(3 / 9) and r.hit_ratio_dram == 0
+    chunk = config.layout.chunk_bytes
+    # 1, 2, 3 go down to make room for 9, 8, 7, which go down when 1, 2, 3 come back up.
+    assert r.ssd_bytes_read == 3 * chunk and r.ssd_bytes_written == 6 * chunk
+    no_ssd = replay(trace, ReplayConfig(dram_blocks=3))
+    assert no_ssd.hit_ratio_blocks == 0 and no_ssd.prefill_saved == 0
+
+
+def test_policies_rank_as_expected_on_multi_turn_sessions():
+    trace = parse_trace(sessions_trace().splitlines())
+    dram = trace.unique_blocks // 20
+    saved = {p: replay(trace, ReplayConfig(policy=p, dram_blocks=dram)).prefill_saved
+             for p in ("lru", "cost", "optimal")}
+    assert saved["lru"] <= saved["optimal"] and saved["cost"] <= saved["optimal"]
+    assert saved["lru"] > 0
+
+
+def test_the_lookahead_prefetches_from_ssd_and_turns_ssd_hits_into_dram_hits():
+    # Requests arrive together, so while one is served the next ones are queued.
+    ids = [[10 * s + i for i in range(4)] for s in range(6)]
+    lines = [line(0, i) for i in ids] + [line(10_000 + s, i) for s, i in enumerate(ids)]
+    trace = parse_trace(lines)
+    base = {"dram_blocks": 8, "ssd_blocks": 100, "instances": 1}
+    lru = replay(trace, ReplayConfig(policy="lru", **base))
+    ahead = replay(trace, ReplayConfig(policy="attentionstore", **base))
+    assert lru.prefetch_accuracy is None
+    assert ahead.hit_ratio_dram > lru.hit_ratio_dram
+    assert ahead.prefetch_accuracy is not None and ahead.prefetch_accuracy > 0.5
+
+
+def test_a_sweep_runs_each_policy_at_each_capacity():
+    trace = parse_trace(sessions_trace(300).splitlines())
+    rows = sweep(trace, ReplayConfig(), ["lru", "cost"], (0.1, 0.5))
+    assert [(r.policy, r.dram_blocks) for r in rows] == [
+        ("lru", round(0.1 * trace.unique_blocks)), ("cost", round(0.1 * trace.unique_blocks)),
+        ("lru", round(0.5 * trace.unique_blocks)), ("cost", round(0.5 * trace.unique_blocks))]
+    assert rows[2].hit_ratio_blocks >= rows[0].hit_ratio_blocks
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 1}', "line 2: 'hash_ids'"),
+    ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "line 2: 'timestamp'"),
+    ('{"timestamp": 1, "input_length": 5000, "output_length": 1, "hash_ids": [1]}', "line 2: 1 hash ids"),
+    ('[1, 2]', "line 2: expected a JSON object"),
+])
+def test_a_malformed_line_is_named_by_its_number(bad, message):
+    with pytest.raises(TraceError, match=message):
+        parse_trace([line(0, [1]), bad], name="t.jsonl")
+
+
+def test_cli_replays_several_policies_as_json_and_plots_a_sweep(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(sessions_trace(300))
+    runner = CliRunner()
+    res = runner.invoke(main, ["replay", str(path), "--policy", "lru", "cost", "optimal",
+                               "--dram-blocks", "40", "--ssd-blocks", "200", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert [r["policy"] for r in rows] == ["lru", "cost", "optimal"]
+    for r in rows:
+        assert (r["dram_blocks"], r["ssd_blocks"]) == (40, 200)
+        for key in ("hit_ratio_blocks", "hit_ratio_tokens", "prefill_saved", "ttft_mean_s",
+                    "ttft_p50_s", "ttft_p99_s", "hit_ratio_dram", "hit_ratio_ssd",
+                    "ssd_bytes_written", "ssd_bytes_read", "prefetch_accuracy"):
+            assert key in r
+    png = tmp_path / "sweep.png"
+    res = runner.invoke(main, ["replay", str(path), "--policy", "lru,cost", "--sweep",
+                               "--fractions", "0.1,0.3", "--plot", str(png), "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.output)) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sizes_tiers_in_bytes_for_a_model_layout(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(sessions_trace(100))
+    # Llama-3-8B-like, bf16: 128 KiB of KV a token, 64 MiB a 512-token block.
+    res = CliRunner().invoke(main, ["replay", str(path), "--dram-bytes", "1GiB",
+                                    "--ssd-bytes", "2GiB", "--json"])
+    assert res.exit_code == 0, res.output
+    assert (json.loads(res.output)[0]["dram_blocks"], json.loads(res.output)[0]["ssd_blocks"]) == (16, 32)
+
+
+def test_cli_reports_a_bad_line_and_an_unknown_policy_clearly(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line(0, [1]) + "\n\n" + '{"timestamp": 0}' + "\n")
+    res = CliRunner().invoke(main, ["replay", str(path)])
+    assert res.exit_code != 0 and "line 3" in res.output
+    path.write_text(line(0, [1]) + "\n")
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "fifo"])
+    assert res.exit_code != 0 and "unknown policy 'fifo'" in res.output
+    res = CliRunner().invoke(main, ["replay", str(tmp_path / "missing.jsonl")])
+    assert res.exit_code != 0 and "cannot read trace" in res.output
+
+
+def test_load_trace_reads_a_file(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(5, [1, 2]) + "\n" + line(0, [1]) + "\n")
+    trace = load_trace(path)
+    assert [r.arrival_s for r in trace.requests] == [0.0, 0.005]  # served in arrival order
+    assert trace.unique_blocks == 2

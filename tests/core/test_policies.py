@@ -1,0 +1,126 @@
+"""The placement policies told as small stories: what each keeps, and why."""
+
+import pytest
+
+from kvtier.core.cost_model import ComputeModel
+from kvtier.core.placement import Placement, PlacementConfig
+from kvtier.core.policies.base import TierContext
+from kvtier.core.policy import (
+    POLICIES,
+    AttentionStorePolicy,
+    CostPolicy,
+    OptimalPolicy,
+    make_policy,
+)
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def drain(policy) -> list[bytes]:
+    order = []
+    while (v := policy.victim(lambda key: True)) is not None:
+        order.append(v)
+        policy.remove(v)
+    return order
+
+
+def test_registry_lists_the_baseline_first_and_builds_every_policy_from_a_tier_context():
+    assert list(POLICIES) == ["lru", "attentionstore", "cost", "optimal"]
+    ctx = TierContext(future={k(1): [3]})
+    for name in POLICIES:
+        assert len(make_policy(name, ctx)) == 0
+
+
+def test_optimal_refuses_to_run_without_the_future():
+    with pytest.raises(ValueError, match="needs the whole future"):
+        make_policy("optimal")
+
+
+def test_attentionstore_evicts_what_no_queued_request_needs_then_the_farthest_needed():
+    p = AttentionStorePolicy()
+    for i in range(4):
+        p.insert(k(i))
+    p.touch([k(0), k(1), k(2), k(3)])  # LRU alone would evict 3, 2, 1, 0
+    p.hint(5, [k(3)])
+    p.hint(6, [k(2)])
+    assert drain(p) == [k(1), k(0), k(2), k(3)]
+
+
+def test_attentionstore_forgets_a_request_once_it_is_served():
+    p = AttentionStorePolicy()
+    p.insert(k(0))
+    p.insert(k(1))
+    p.hint(1, [k(0)])
+    assert p.victim(lambda key: True) == k(1)
+    p.begin(1, now=0.0)
+    assert p.victim(lambda key: True) == k(0)
+
+
+def test_optimal_evicts_the_chunk_needed_farthest_away_and_never_admits_a_dead_one():
+    future = {k(0): [0, 1], k(1): [0, 5], k(2): [0, 3]}
+    p = OptimalPolicy(TierContext(future=future))
+    p.begin(0, now=0.0)
+    for i in range(3):
+        p.insert(k(i))
+    p.touch([k(0), k(1), k(2)])
+    assert drain(p) == [k(1), k(2), k(0)]
+    assert p.admit(k(2), 0) and not p.admit(k(9), 0)
+
+
+def test_cost_keeps_the_chunks_that_get_reused_over_one_off_ones():
+    # A shared system prompt (chunk 0) is reused by every request; each request's own last
+    # chunk never is. After some traffic the policy has learned that, so under pressure the
+    # one-offs go first even though the shared chunk was touched less recently.
+    p = CostPolicy(TierContext())
+    for seq in range(50):
+        p.begin(seq, now=float(seq))
+        own = k(1000 + seq)
+        p.insert(own) if seq else None
+        if seq == 0:
+            p.insert(k(0))
+        p.touch([k(0), own])
+    p.begin(50, now=50.0)
+    p.insert(k(2000))
+    p.touch([k(2000)])  # a newer one-off, never followed by anything
+    assert p.victim(lambda key: True) != k(0)
+    order = drain(p)
+    assert order[-1] == k(0)
+
+
+def test_cost_values_a_deep_chunk_by_its_recompute_cost():
+    model = ComputeModel()
+    assert model.chunk_recompute_s(100, 512) > 2 * model.chunk_recompute_s(0, 512)
+    ctx = TierContext(level=1, chunk_load_s=model.chunk_recompute_s(0, 512))
+    assert ctx.miss_saving_s(0) == 0.0 and ctx.miss_saving_s(100) > 0
+
+
+def test_cost_never_evicts_a_chunk_before_a_later_chunk_of_the_same_sequence():
+    p = CostPolicy(TierContext())
+    keys = [k(i) for i in range(6)]
+    for key in keys:
+        p.insert(key)
+    p.touch(keys)
+    assert drain(p) == list(reversed(keys))
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_runs_the_store_placement_and_respects_capacity(name):
+    requests = [[k(i) for i in range(s, s + 4)] for s in range(0, 40, 2)] * 2
+    future: dict[bytes, list[int]] = {}
+    for seq, keys in enumerate(requests):
+        for key in keys:
+            future.setdefault(key, []).append(seq)
+    contexts = [TierContext(level=0, future=future), TierContext(level=1, future=future)]
+    place = Placement(PlacementConfig(name, dram_chunks=6, ssd_chunks=10), contexts)
+    for seq, keys in enumerate(requests):
+        place.begin(seq, float(seq))
+        if place.lookahead and seq + 1 < len(requests):
+            place.hint(seq + 1, requests[seq + 1])
+            place.prefetch(requests[seq + 1])
+        place.load(place.lookup(keys))
+        place.save(keys)
+        assert place.used == [place.index.count(0), place.index.count(1)]
+        assert place.used[0] <= 6 and place.used[1] <= 10
+        assert [len(p) for p in place.policies] == place.used
