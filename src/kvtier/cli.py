@@ -170,6 +170,35 @@ def demo(model: str, users: int, rounds: int, doc_chars: int, user_chars: int, m
         console.print(f"plot written to {plot_path}")
 
 
+@bench.command("vllm-ttft")
+@click.option("--model", default="small", show_default=True,
+              help="Embedded default model size (tiny, small) or a local model directory.")
+@click.option("--history", "history_tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_vllm_ttft(model: str, history_tokens: int, new_tokens: int, repeats: int, as_json: bool) -> None:
+    """TTFT through vLLM: vLLM alone vs vLLM + kvtier from DRAM vs from SSD."""
+    from kvtier.bench.vllm_ttft import VLLMTTFTConfig, run_vllm_ttft
+
+    try:
+        config = VLLMTTFTConfig(model=model, history_tokens=history_tokens, new_tokens=new_tokens,
+                                repeats=repeats)
+        result = run_vllm_ttft(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        _emit_json(result.as_dict())
+        return
+    table = Table(title=f"vLLM TTFT, {new_tokens} new tokens after a {history_tokens}-token history")
+    for col in ("vLLM alone s", "kvtier DRAM s", "ratio", "kvtier SSD s", "ratio", "same output"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{result.ttft_vllm_s:.3f}", f"{result.ttft_dram_s:.3f}", f"{result.dram_ratio:.3f}",
+                  f"{result.ttft_ssd_s:.3f}", f"{result.ssd_ratio:.3f}",
+                  "yes" if result.same_output else "[red]NO[/]")
+    Console().print(table)
+
+
 @bench.command("ttft")
 @click.option("--model", default="small", show_default=True,
               help="Embedded default model size (tiny, small) or a local model directory.")

@@ -201,3 +201,13 @@ def test_a_daemon_down_at_vllm_start(env, tiny_model_dir, reference, tmp_path):
         del llm
         gc.collect()
         daemon.stop()
+
+
+def test_the_vllm_ttft_benchmark_measures_three_ways_with_the_same_output(env, tiny_model_dir):
+    from kvtier.bench.vllm_ttft import VLLMTTFTConfig, run_vllm_ttft
+
+    res = run_vllm_ttft(VLLMTTFTConfig(model=str(tiny_model_dir), history_tokens=4 * CHUNK, new_tokens=16,
+                                       chunk_tokens=CHUNK, block_size=BLOCK, repeats=1))
+    assert res.same_output
+    assert res.dram_hits == 4 * CHUNK and res.ssd_hits == 4 * CHUNK
+    assert res.ttft_vllm_s > 0 and res.dram_ratio == res.ttft_dram_s / res.ttft_vllm_s
