@@ -177,3 +177,27 @@ def test_demo_command_refuses_a_bad_model(tmp_path, model):
     assert result.exit_code != 0
     assert "Error" in result.output and "--model must be one of" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_the_demo_through_vllm_prints_the_same_json_keys(tiny_model_dir):
+    pytest.importorskip("vllm")
+    import os
+
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    try:
+        res = CliRunner().invoke(main, ["demo", "--engine", "vllm", "--model", str(tiny_model_dir),
+                                        "--users", "2", "--rounds", "1", "--doc-chars", "600",
+                                        "--user-chars", "120", "--json"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert res.exit_code == 0, res.output[-2000:]
+    # vLLM may log to stdout in this process (its logging was set up by earlier tests)
+    turns = json.loads(res.output[res.output.index("[\n  {"):])
+    assert len(turns) == 4
+    for t in turns:
+        assert {"user", "turn", "history_tokens", "hit_tokens", "tier", "ttft_kvtier_s",
+                "ttft_recompute_s"} <= set(t)
+        assert t["same_tokens"]
+    assert turns[1]["hit_tokens"] >= 256 and turns[1]["tier"] in ("host", "disk")

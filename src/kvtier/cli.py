@@ -125,11 +125,14 @@ def bench_keys(as_json: bool, repeats: int) -> None:
               show_default=True, help="DRAM tier size as a share of all final histories' KV.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Parent of the SSD tier's temporary directory.")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers",
+              show_default=True, help="Run the chats through kvtier's transformers adapter or vLLM.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of turns.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Draw TTFT against turn, kvtier and full recompute, to this PNG.")
 def demo(model: str, users: int, rounds: int, doc_chars: int, user_chars: int, max_new_tokens: int,
-         host_fraction: float, directory: str | None, as_json: bool, plot_path: str | None) -> None:
+         host_fraction: float, directory: str | None, engine: str, as_json: bool,
+         plot_path: str | None) -> None:
     """Multi-turn chats timed with kvtier and with full recompute."""
     from rich.progress import Progress
 
@@ -139,7 +142,7 @@ def demo(model: str, users: int, rounds: int, doc_chars: int, user_chars: int, m
         config = DemoConfig(model=model, users=users, rounds=rounds, doc_chars=doc_chars,
                             user_chars=user_chars,
                             max_new_tokens=max_new_tokens, host_fraction=host_fraction,
-                            directory=directory)
+                            directory=directory, engine=engine)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     console = Console(stderr=True)

@@ -14,11 +14,18 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.engines.default_model import SIZES, default_model_dir
 from transformers import AutoConfig
 
 from kvtier.engines.hf import EngineConfig, HFEngine, Message, kv_layout_for
+from kvtier.store import StoreConfig
+from kvtier.tiers.disk import DiskTierConfig
+from kvtier.tiers.host import HostTierConfig
+
+if TYPE_CHECKING:
+    from kvtier.engines.vllm_chat import VLLMChat
 
 WORDS = (
     "cache memory layer token prefix attention model request user session chunk disk host "
@@ -47,8 +54,12 @@ class DemoConfig:
     disk_bytes: int = 4 << 30
     directory: str | None = None
     seed: int = 0
+    engine: str = "transformers"
+    """``transformers`` (kvtier's own adapter) or ``vllm`` (vLLM with the kvtier connector)."""
 
     def __post_init__(self) -> None:
+        if self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"demo engine must be 'transformers' or 'vllm', got {self.engine!r}")
         for name in ("users", "rounds", "user_chars", "max_new_tokens", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"demo {name} must be positive, got {getattr(self, name)}")
@@ -108,11 +119,20 @@ def run_demo(config: DemoConfig, on_turn: Callable[[TurnRecord, int], None] | No
             layout.chunk_bytes * 2,
             int(config.host_fraction * config.users * layout.bytes_for_tokens(final_tokens)),
         )
-        engine = HFEngine.open(
-            model_dir, host_bytes=host_bytes, disk_path=workdir, disk_bytes=config.disk_bytes,
-            chunk_tokens=config.chunk_tokens,
-            config=EngineConfig(max_new_tokens=config.max_new_tokens),
-        )
+        engine: HFEngine | VLLMChat
+        if config.engine == "vllm":
+            from kvtier.engines.vllm_chat import VLLMChat
+
+            store = StoreConfig(model="-", layout=layout, host=HostTierConfig(host_bytes),
+                                disk=DiskTierConfig(workdir, config.disk_bytes))
+            engine = VLLMChat(model_dir, store, config.max_new_tokens,
+                              max_model_len=final_tokens + 1024)
+        else:
+            engine = HFEngine.open(
+                model_dir, host_bytes=host_bytes, disk_path=workdir, disk_bytes=config.disk_bytes,
+                chunk_tokens=config.chunk_tokens,
+                config=EngineConfig(max_new_tokens=config.max_new_tokens),
+            )
         histories: list[list[Message]] = [[{"role": "system", "content": system}] for _ in range(config.users)]
         records: list[TurnRecord] = []
         total = config.users * turns_per_user

@@ -211,3 +211,19 @@ def test_the_vllm_ttft_benchmark_measures_three_ways_with_the_same_output(env, t
     assert res.same_output
     assert res.dram_hits == 4 * CHUNK and res.ssd_hits == 4 * CHUNK
     assert res.ttft_vllm_s > 0 and res.dram_ratio == res.ttft_dram_s / res.ttft_vllm_s
+
+
+def test_a_prompt_larger_than_dram_is_saved_whole_through_ssd(env, tiny_model_dir, reference, tmp_path):
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=2).start()  # 2 of the prompt's 8 chunks
+    llm = make_llm(tiny_model_dir, daemon.socket)
+    try:
+        ps = [prompt(520, 9)]
+        assert_same(generate(llm, ps), ref(reference, ps))
+        snap = daemon.stats()
+        assert snap["saved_chunks"] == 8 and snap["tiers"]["disk"]["chunks"] == 8
+        assert_same(generate(llm, ps), ref(reference, ps))
+        assert daemon.stats()["hit_tokens"] == 8 * CHUNK
+    finally:
+        del llm
+        gc.collect()
+        daemon.stop()

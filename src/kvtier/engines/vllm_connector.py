@@ -103,6 +103,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[list[ChunkKey], int]] = {}
         self._requests: dict[str, _Request] = {}
         self._loads: list[ChunkTransfer] = []
+        self._skip: set[str] = set()
         self._hints = ThreadPoolExecutor(1, "kvtier-hints")
         self._hint_client = StoreClient(str(socket_path), retry_s=1.0)
         # worker state
@@ -130,7 +131,17 @@ class KVTierConnector(KVConnectorBase_V1):
         return layout.chunk_tokens
 
     # ==================================================================== scheduler side
+    @staticmethod
+    def _skipped(request) -> bool:  # type: ignore[no-untyped-def]
+        """A request may opt out: ``SamplingParams(extra_args={"kv_transfer_params":
+        {"kvtier": "skip"}})`` -- no lookup, no save (a baseline run, a private prompt)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return params.get("kvtier") == "skip"
+
     def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
+        if self._skipped(request):
+            self._skip.add(request.request_id)
+            return
         prompt = list(request.prompt_token_ids or [])
 
         def hint() -> None:
@@ -143,7 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         prompt = list(request.prompt_token_ids or [])
-        if self._chunk_tokens() is None or len(prompt) < 2:
+        if self._skipped(request) or self._chunk_tokens() is None or len(prompt) < 2:
             return 0, False
         hit = self.client.lookup(prompt[:-1])  # one token must be left to compute
         self._lookups[request.request_id] = (hit.keys, num_computed_tokens)
@@ -172,6 +183,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if c is None:
             return meta
         for r in so.scheduled_new_reqs:
+            if r.req_id in self._skip:
+                continue
             prompt = list(r.prompt_token_ids or [])
             try:
                 keys = self.client.keys_for(prompt)
@@ -191,6 +204,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._plan_saves(meta, req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], c)
         for req_id in so.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._skip.discard(req_id)
         return meta
 
     def _plan_saves(self, meta: KVTierMetadata, req_id: str, done_tokens: int, c: int) -> None:
@@ -207,6 +221,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # type: ignore[no-untyped-def]
         self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._skip.discard(request.request_id)
         return False, None
 
     def update_connector_output(self, connector_output) -> None:  # type: ignore[no-untyped-def]
@@ -325,7 +340,32 @@ class KVTierConnector(KVConnectorBase_V1):
         for save, views in self._pending_saves:
             written = [k for k, v in zip(save.keys, views) if v is not None]
             self.client.commit(written, ok=True)
+            if len(views) < len(save.keys):
+                self._save_rest(save, len(views))
         self._pending_saves = []
+
+    def _save_rest(self, save: ChunkTransfer, done: int) -> None:
+        """Chunks that found no DRAM slot at the first layer: now that the first ones are
+        committed (and can be demoted), save the rest in rounds, all layers at once. vLLM's
+        blocks still hold them until the step ends."""
+        layout = self.client.layout
+        if layout is None:
+            return
+        per_chunk = layout.chunk_tokens // self.block_size
+        with torch.inference_mode():
+            while done < len(save.keys):
+                views = self.client.reserve(save.keys[done:])
+                if not views:
+                    return
+                for j, view in enumerate(views):
+                    if view is None:
+                        continue
+                    base = (save.first_chunk + done + j) * per_chunk
+                    idx = torch.tensor(save.block_ids[base : base + per_chunk], device=self._kv[0].device)
+                    for layer, kv in enumerate(self._kv):
+                        self._pages(view, layer).copy_(kv.index_select(0, idx))
+                self.client.commit([k for k, v in zip(save.keys[done:], views) if v is not None])
+                done += len(views)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
