@@ -238,23 +238,31 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv = list(kv_caches.values())
         self._layer_of = {name: i for i, name in enumerate(kv_caches)}
+        # The block dimension: 0 on the CPU backend ([blocks, heads, block, 2*head_dim]), 1 on
+        # CUDA flash-attention ([2, blocks, block, heads, head_dim]). Found by its size.
+        shape = tuple(self._kv[0].shape)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._block_dim = shape.index(num_blocks) if num_blocks in shape else 0
 
     def _pages(self, chunk_bytes: torch.Tensor, layer: int) -> torch.Tensor:
-        """One layer of one chunk as vLLM pages: ``[blocks_per_chunk, *page_shape]``."""
+        """One layer of one chunk as vLLM's tensor of that layer restricted to the chunk's
+        blocks (in the chunk's order): same shape but ``blocks_per_chunk`` on the block dim."""
         layout = self.client.layout
         assert layout is not None
         kv = self._kv[layer]
         lo = layout.layer_offset(layer)
-        raw = chunk_bytes[lo : lo + layout.layer_bytes].view(kv.dtype)
-        return raw.view(layout.chunk_tokens // self.block_size, *kv.shape[1:])
+        shape = list(kv.shape)
+        shape[self._block_dim] = layout.chunk_tokens // self.block_size
+        return chunk_bytes[lo : lo + layout.layer_bytes].view(kv.dtype).view(shape)
 
     def _check_geometry(self) -> bool:
         layout = self.client.layout
         if layout is None or self._chunk_tokens() is None:
             return False
-        page = self._kv[0][0]
-        ok = (len(self._kv) == layout.num_layers and page.numel() * page.element_size() * (
-            layout.chunk_tokens // self.block_size) == layout.layer_bytes)
+        kv = self._kv[0]
+        page_bytes = kv.numel() // kv.shape[self._block_dim] * kv.element_size()
+        ok = (len(self._kv) == layout.num_layers
+              and page_bytes * (layout.chunk_tokens // self.block_size) == layout.layer_bytes)
         if not ok:
             log.error("kvtier daemon layout %s does not match vLLM's KV cache %s x %d layers; disabled",
                       layout, tuple(self._kv[0].shape), len(self._kv))
@@ -283,17 +291,22 @@ class KVTierConnector(KVConnectorBase_V1):
         self._load_thread.start()
 
     def _copy_in(self, plan: list[tuple[ChunkTransfer, list[torch.Tensor]]]) -> None:
+        dim = self._block_dim
+        per_chunk = self.client.layout.chunk_tokens // self.block_size  # type: ignore[union-attr]
         try:
             with torch.inference_mode():
                 for layer, kv in enumerate(self._kv):
                     for load, views in plan:
-                        per_chunk = len(self._pages(views[0], layer)) if views else 0
                         for j, view in enumerate(views):
-                            pages = self._pages(view, layer)
                             base = (load.first_chunk + j) * per_chunk
-                            for p in range(per_chunk):
-                                if base + p >= load.skip_blocks:
-                                    kv[load.block_ids[base + p]].copy_(pages[p])
+                            keep = [p for p in range(per_chunk) if base + p >= load.skip_blocks]
+                            pages = self._pages(view, layer)
+                            if len(keep) < per_chunk:  # vLLM already has the first blocks
+                                pages = pages.index_select(dim, torch.tensor(keep))
+                            dst = torch.tensor([load.block_ids[base + p] for p in keep], device=kv.device)
+                            kv.index_copy_(dim, dst, pages.to(kv.device))
+                    if kv.is_cuda:  # the copies must land before the layer's attention runs
+                        torch.cuda.synchronize(kv.device)
                     self._load_events[layer].set()
         finally:
             for event in self._load_events:
@@ -328,7 +341,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         continue
                     base = (save.first_chunk + j) * per_chunk
                     idx = torch.tensor(save.block_ids[base : base + per_chunk], device=kv_layer.device)
-                    self._pages(view, layer).copy_(kv_layer.index_select(0, idx))
+                    self._pages(view, layer).copy_(kv_layer.index_select(self._block_dim, idx))
 
     def wait_for_save(self) -> None:
         if self._load_thread is not None:
@@ -363,7 +376,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     base = (save.first_chunk + done + j) * per_chunk
                     idx = torch.tensor(save.block_ids[base : base + per_chunk], device=self._kv[0].device)
                     for layer, kv in enumerate(self._kv):
-                        self._pages(view, layer).copy_(kv.index_select(0, idx))
+                        self._pages(view, layer).copy_(kv.index_select(self._block_dim, idx))
                 self.client.commit([k for k, v in zip(save.keys[done:], views) if v is not None])
                 done += len(views)
 
