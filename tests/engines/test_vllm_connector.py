@@ -6,33 +6,28 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvtier.engines.hf import model_fingerprint  # noqa: E402
-from kvtier.engines.vllm_connector import engine_model_id  # noqa: E402
-from kvtier.server.client import StoreClient  # noqa: E402
+from kvtier.engines.hf import model_fingerprint
+from kvtier.engines.vllm_connector import engine_model_id
 
-from ..server.test_daemon import wait_for_socket  # noqa: E402
+from ..daemon_process import DaemonProcess
 
-KVTIER = str(Path(sys.executable).with_name("kvtier"))
 BLOCK = 32
 CHUNK = 64
 MAX_TOKENS = 12
 
 
-class Daemon:
+class Daemon(DaemonProcess):
     def __init__(self, tmp: Path, model_dir: Path, host_chunks: int) -> None:
-        self.socket = tmp / "kv.sock"
+        config = tmp / "kvtier.toml"
         chunk_bytes = 2 * 2 * 2 * CHUNK * 32 * 4  # layers x (K,V) x kv heads x tokens x dim x fp32
-        self.config = tmp / "kvtier.toml"
-        self.config.write_text("\n".join([
-            f'socket = "{self.socket}"',
+        config.write_text("\n".join([
+            f'socket = "{tmp / "kv.sock"}"',
             f'model = "{engine_model_id(model_fingerprint(model_dir), "float32", BLOCK)}"',
             "write_through = true",
             "[layout]", "num_layers = 2", "num_kv_heads = 2", "head_dim = 32", 'dtype = "float32"',
@@ -40,30 +35,7 @@ class Daemon:
             "[host]", f"capacity_bytes = {host_chunks * chunk_bytes}",
             "[disk]", f'path = "{tmp / "ssd"}"', f"capacity_bytes = {1 << 28}",
         ]) + "\n")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Daemon:
-        self.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(self.config)],
-                                     stderr=subprocess.DEVNULL)
-        wait_for_socket(self.socket, self.proc)
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-
-    def stats(self) -> dict:
-        client = StoreClient(str(self.socket))
-        try:
-            return client.stats()
-        finally:
-            client.close()
+        super().__init__(config, tmp / "kv.sock", tmp / "daemon.log")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +24,10 @@ from kvtier.server.config import daemon_config
 from kvtier.store import LookupResult
 
 from ..conftest import make_kv
+from ..daemon_process import KVTIER, DaemonProcess
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=16)
 C = LAYOUT.chunk_tokens
-KVTIER = str(Path(sys.executable).with_name("kvtier"))
 
 
 def write_config(tmp: Path, host_chunks: int = 8, write_through: bool = True, port: int | None = None) -> Path:
@@ -44,43 +43,10 @@ def write_config(tmp: Path, host_chunks: int = 8, write_through: bool = True, po
     return cfg
 
 
-def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "daemon exited"
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(str(path))
-            return
-        except OSError:
-            time.sleep(0.05)
-        finally:
-            s.close()
-    raise TimeoutError(f"daemon did not listen on {path}")
-
-
-class Daemon:
+class Daemon(DaemonProcess):
     def __init__(self, tmp: Path, **kw) -> None:
+        super().__init__(write_config(tmp, **kw), tmp / "kv.sock", tmp / "daemon.log")
         self.tmp = tmp
-        self.config = write_config(tmp, **kw)
-        self.socket = tmp / "kv.sock"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Daemon":
-        self.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(self.config)],
-                                     stderr=subprocess.PIPE, text=True)
-        wait_for_socket(self.socket, self.proc)
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
 
 
 @pytest.fixture
@@ -215,16 +181,13 @@ def test_a_daemon_killed_mid_run_costs_misses_and_its_ssd_chunks_survive_a_resta
 
 
 def test_prometheus_metrics_over_http(tmp_path):
-    d = Daemon(tmp_path, port=0)
-    d.proc = subprocess.Popen([KVTIER, "store", "serve", "--config", str(d.config)],
-                              stderr=subprocess.PIPE, text=True)
+    d = Daemon(tmp_path, port=0).start()
     try:
-        wait_for_socket(d.socket, d.proc)
-        line = ""
-        while "metrics on" not in line:
-            line = d.proc.stderr.readline()
-            assert line, "daemon did not report its metrics address"
-        url = line.split("metrics on ", 1)[1].strip()
+        deadline = time.monotonic() + 10
+        while "metrics on" not in (text := d.log.read_text()):
+            assert time.monotonic() < deadline, "daemon did not report its metrics address"
+            time.sleep(0.05)
+        url = text.split("metrics on ", 1)[1].split()[0]
         client = StoreClient(str(d.socket))
         client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
         client.lookup(list(range(2 * C)))
