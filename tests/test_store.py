@@ -201,6 +201,8 @@ def test_bad_store_config_raises(layout, tmp_path):
         StoreConfig(model="m", layout=layout, host=HostTierConfig(1 << 20), policy="mru")
     with pytest.raises(ValueError, match="model"):
         StoreConfig(model="", layout=layout, host=HostTierConfig(1 << 20))
+    with pytest.raises(ValueError, match="offline bound"):
+        StoreConfig(model="m", layout=layout, host=HostTierConfig(1 << 20), policy="optimal")
     with pytest.raises(ValueError, match="smaller than one chunk slot"):
         KVStore(StoreConfig(model="m", layout=layout, host=HostTierConfig(layout.chunk_bytes - 1)))
     with pytest.raises(ValueError, match="disk capacity of 4096 bytes cannot hold one chunk"):
@@ -236,3 +238,18 @@ def test_write_through_puts_every_saved_chunk_on_ssd_at_once(layout, tmp_path):
         hit = store.lookup(tokens)
         assert hit.tiers == ["disk"] * 3
         assert_kv_equal(store.load(hit).kv, kv, 3 * C)
+
+
+@pytest.mark.parametrize("policy", ["lru", "attentionstore", "cost"])
+def test_every_live_policy_runs_the_store_story(layout, tmp_path, policy):
+    a, b = list(range(3 * C)), list(range(1000, 1000 + 3 * C))
+    kva, kvb = make_kv(layout, 3 * C, seed=1), make_kv(layout, 3 * C, seed=2)
+    with store_of(layout, host_chunks=3, disk_path=tmp_path, policy=policy) as store:
+        store.save(a, kva)
+        store.save(b, kvb)
+        for tokens, kv in ((a, kva), (b, kvb)):
+            hit = store.lookup(tokens)
+            loaded = store.load(hit)
+            assert loaded.tokens == hit.hit_tokens
+            assert_kv_equal(loaded.kv, kv, loaded.tokens)
+        assert store.snapshot()["tiers"]["host"]["used_bytes"] <= 3 * layout.chunk_bytes

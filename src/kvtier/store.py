@@ -31,7 +31,7 @@ import torch
 from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
 from kvtier.core.layout import KVLayout
-from kvtier.core.policy import POLICIES, EvictionPolicy, make_policy
+from kvtier.core.policy import LIVE_POLICIES, POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.host import HostTier, HostTierConfig
@@ -61,6 +61,11 @@ class StoreConfig:
             raise TypeError("StoreConfig.layout must be a KVLayout")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
+        if self.policy not in LIVE_POLICIES:
+            raise ValueError(
+                f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
+                f"live policies: {list(LIVE_POLICIES)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +133,10 @@ class KVStore:
         self.layout = config.layout
         self._lock = threading.RLock()
         self._namespaces: dict[str, Namespace] = {}
+        # policies first: a bad one must fail before any tier takes memory or a directory lock
+        self.policies: list[EvictionPolicy] = [
+            make_policy(config.policy) for _ in range(1 + (config.disk is not None))
+        ]
         host = HostTier(config.host, slot_bytes=self.layout.chunk_bytes)
         self.tiers: list[Tier] = [host]
         try:
@@ -146,7 +155,6 @@ class KVStore:
                     f"({need} bytes for {self.layout.chunk_tokens} tokens of this layout)"
                 )
         self.index = ChunkIndex()
-        self.policies: list[EvictionPolicy] = [make_policy(config.policy) for _ in self.tiers]
         self.stats = StoreStats()
         for level, tier in enumerate(self.tiers):
             for key in tier.keys():  # persistent tiers come back with their chunks, oldest first
