@@ -7,6 +7,7 @@ import torch
 
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.core.layout import KVLayout
+from kvtier.core.policy import POLICIES, LRUPolicy
 from kvtier.tiers.disk import header_len_for
 
 from .conftest import make_kv
@@ -253,3 +254,26 @@ def test_every_live_policy_runs_the_store_story(layout, tmp_path, policy):
             assert loaded.tokens == hit.hit_tokens
             assert_kv_equal(loaded.kv, kv, loaded.tokens)
         assert store.snapshot()["tiers"]["host"]["used_bytes"] <= 3 * layout.chunk_bytes
+
+
+class _RefuseDeepChunks(LRUPolicy):
+    """A policy that admits only the first two chunks of a sequence into DRAM and nothing
+    into SSD (admission is the policy's call; the store must obey it)."""
+
+    def admit(self, key, position):
+        return position is not None and position < 2
+
+
+def test_the_store_obeys_the_policys_admission(layout, tmp_path, monkeypatch):
+    import kvtier.store as store_module
+
+    monkeypatch.setitem(POLICIES, "refuse-deep", lambda context: _RefuseDeepChunks())
+    monkeypatch.setattr(store_module, "LIVE_POLICIES", (*store_module.LIVE_POLICIES, "refuse-deep"))
+    tokens = list(range(4 * C))
+    with store_of(layout, host_chunks=2, disk_path=tmp_path, policy="refuse-deep") as store:
+        saved = store.save(tokens, make_kv(layout, 4 * C))
+        assert (saved.stored, saved.dropped) == (2, 2)  # chunks 2 and 3 refused
+        store.save(list(range(900, 900 + 2 * C)), make_kv(layout, 2 * C))  # evicts the first two
+        snap = store.snapshot()
+        assert snap["demotions"] == 0 and snap["tiers"]["disk"]["chunks"] == 0  # SSD refused them
+        assert store.lookup(tokens).hit_tokens == 0

@@ -31,6 +31,7 @@ import torch
 from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
 from kvtier.core.layout import KVLayout
+from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import LIVE_POLICIES, POLICIES, EvictionPolicy, make_policy
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
@@ -38,6 +39,10 @@ from kvtier.tiers.host import HostTier, HostTierConfig
 from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 
 log = logging.getLogger(__name__)
+
+NOMINAL_READ_BPS = (10e9, 1.5e9)
+"""Read bandwidth per tier level (DRAM, SSD) that cost-aware policies assume; the order of
+magnitude `kvtier bench io` measures on the development machines."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,11 @@ class KVStore:
         self._namespaces: dict[str, Namespace] = {}
         # policies first: a bad one must fail before any tier takes memory or a directory lock
         self.policies: list[EvictionPolicy] = [
-            make_policy(config.policy) for _ in range(1 + (config.disk is not None))
+            make_policy(config.policy, TierContext(
+                level=level, chunk_tokens=self.layout.chunk_tokens,
+                chunk_load_s=self.layout.chunk_bytes / NOMINAL_READ_BPS[level],
+            ))
+            for level in range(1 + (config.disk is not None))
         ]
         host = HostTier(config.host, slot_bytes=self.layout.chunk_bytes)
         self.tiers: list[Tier] = [host]
@@ -327,7 +336,7 @@ class KVStore:
         with self._lock:
             for i, key in enumerate(keys):
                 try:
-                    res = self.reserve_chunk(key)
+                    res = self.reserve_chunk(key, position=i)
                 except TierFullError:
                     dropped += len(keys) - i  # a later chunk without this one could never hit
                     break
@@ -346,13 +355,16 @@ class KVStore:
         return SaveResult(stored=stored, present=present, dropped=dropped)
 
     # -- key-level access (for the store daemon's clients, which share the DRAM arena) -------
-    def reserve_chunk(self, key: ChunkKey) -> Reservation | None:
+    def reserve_chunk(self, key: ChunkKey, position: int | None = None) -> Reservation | None:
         """Take a DRAM slot for a new chunk (evicting as needed); fill ``res.buffer`` (or the
         arena at ``res.slot``), then :meth:`commit_chunk`. None if the chunk is already held.
-        Raises TierFullError if every resident chunk is pinned."""
+        Raises TierFullError if every resident chunk is pinned or the policy does not admit
+        chunk ``position`` of its sequence."""
         with self._lock:
             if key in self.index:
                 return None
+            if not self.policies[0].admit(key, position):
+                raise TierFullError(f"the {self.config.policy} policy did not admit the chunk")
             return self._reserve(0, key, self.layout.chunk_bytes)
 
     def commit_chunk(self, res: Reservation, ok: bool = True) -> bool:
@@ -429,6 +441,8 @@ class KVStore:
         if data is None:
             return
         dst = self.tiers[lower]
+        if not self.policies[lower].admit(key, None):
+            return  # the policy keeps this tier for chunks more likely to be reused
         while True:
             try:
                 stored = dst.put(key, data, self.layout.layer_bytes)
