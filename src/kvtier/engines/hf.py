@@ -67,6 +67,14 @@ def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     return f"{root.name}@{h.hexdigest()[:16]}"
 
 
+def chat_prompt_ids(tokenizer, messages: Sequence[Message]) -> list[int]:  # type: ignore[no-untyped-def]
+    """Token ids of a chat rendered with the tokenizer's template and a generation prompt."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in transformers 5
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def kv_layout_for(config: PretrainedConfig, chunk_tokens: int = 256, dtype: str = "float32") -> KVLayout:
     """The KV layout of a rotary decoder-only model (Llama, Qwen2, Mistral families)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -212,10 +220,7 @@ class HFEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding in transformers 5
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(
         self,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.engines.hf import Message, TurnResult, model_fingerprint
+from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids, model_fingerprint
 from kvtier.engines.vllm_connector import engine_model_id
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store import StoreConfig
@@ -52,13 +52,11 @@ class VLLMChat:
                                    extra_args={"kv_transfer_params": {"kvtier": "skip"}})
 
     def generate(self, messages: Sequence[Message], *, use_store: bool = True) -> TurnResult:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        ids = chat_prompt_ids(self.tokenizer, messages)
         before = self.daemon.snapshot()
         start = time.perf_counter()
         params = self.params if use_store else self.skip
-        out = self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         after = self.daemon.snapshot()
         comp = out.outputs[0]
