@@ -277,3 +277,36 @@ def test_the_store_obeys_the_policys_admission(layout, tmp_path, monkeypatch):
         snap = store.snapshot()
         assert snap["demotions"] == 0 and snap["tiers"]["disk"]["chunks"] == 0  # SSD refused them
         assert store.lookup(tokens).hit_tokens == 0
+
+
+@pytest.mark.parametrize("policy, a_stays", [("lru", False), ("attentionstore", True), ("cost", True)])
+def test_a_queued_request_keeps_its_chunks_in_dram_under_a_look_ahead_policy(layout, tmp_path, policy, a_stays):
+    # DRAM holds 4 chunks: conversations A and B. A request for A is queued (not yet served);
+    # B is used after that, so A is the least recently used. Saving C needs room for 2 chunks:
+    # LRU demotes A to SSD, a look-ahead policy demotes B, which no queued request needs.
+    a, b, c = (list(range(s, s + 2 * C)) for s in (0, 1000, 2000))
+    with store_of(layout, host_chunks=4, disk_path=tmp_path, policy=policy) as store:
+        store.save(a, make_kv(layout, 2 * C, seed=1))
+        store.save(b, make_kv(layout, 2 * C, seed=2))
+        keys_a = store.lookup(a).keys
+        assert store.queued("req-a", keys_a) == 0  # already in DRAM: nothing to promote
+        store.load(store.lookup(b))
+        store.save(c, make_kv(layout, 2 * C, seed=3))
+        store.started("req-a")
+        hit = store.lookup(a)
+        assert hit.hit_tokens == 2 * C
+        assert (hit.tiers == ["host"] * 2) is a_stays
+        assert (store.lookup(b).tiers == ["host"] * 2) is not a_stays
+
+
+def test_a_queued_request_has_its_chunks_prefetched_from_ssd(layout, tmp_path):
+    a, b = list(range(2 * C)), list(range(1000, 1000 + 2 * C))
+    with store_of(layout, host_chunks=2, disk_path=tmp_path) as store:
+        store.save(a, make_kv(layout, 2 * C, seed=1))
+        store.save(b, make_kv(layout, 2 * C, seed=2))  # A goes down to SSD
+        assert store.lookup(a).tiers == ["disk"] * 2
+        assert store.queued("req-a", store.lookup(a).keys) == 2
+        store.started("req-a")
+        store.started("never-queued")  # ignored
+        assert store.lookup(a).tiers == ["host"] * 2
+        assert store.snapshot()["promotions"] == 2

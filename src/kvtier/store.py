@@ -6,10 +6,12 @@
     loaded = store.load(hit)                   # per-layer (K, V) for the first loaded.tokens tokens
     store.save(tokens, kv)                     # new full chunks go to DRAM
 
-Tiers are ordered fastest first (host DRAM, then SSD). A chunk saved goes to DRAM; when DRAM is
-full the policy's victim is demoted to SSD (written there unless SSD already holds it) rather
-than dropped; when SSD is full its victim is dropped. A chunk loaded from SSD is promoted to
-DRAM (keeping its SSD copy). Everything read is pinned in its tier for the duration of the copy.
+Tiers are ordered fastest first (host DRAM, then SSD). Which chunk goes where is decided by a
+:class:`~kvtier.core.placement.Placement` (the same object ``kvtier replay`` measures), and this
+module moves the bytes (:class:`TierMover`). A chunk saved goes to DRAM; when DRAM is full the
+policy's victim is demoted to SSD (written there unless SSD already holds it) rather than
+dropped; when SSD is full its victim is dropped. A chunk loaded from SSD is promoted to DRAM
+(keeping its SSD copy). Everything read is pinned in its tier for the duration of the copy.
 
 Failure contract: a chunk that cannot be read (missing file, checksum mismatch) ends the prefix
 at that chunk: ``load`` returns fewer tokens than ``lookup`` promised, never wrong bytes, and the
@@ -22,17 +24,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
 from kvtier.core.layout import KVLayout
+from kvtier.core.placement import Copied, Placement
 from kvtier.core.policies.base import TierContext
-from kvtier.core.policy import LIVE_POLICIES, POLICIES, EvictionPolicy, make_policy
+from kvtier.core.policy import LIVE_POLICIES, POLICIES, make_policy
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.host import HostTier, HostTierConfig
@@ -43,6 +46,10 @@ log = logging.getLogger(__name__)
 NOMINAL_READ_BPS = (10e9, 1.5e9)
 """Read bandwidth per tier level (DRAM, SSD) that cost-aware policies assume; the order of
 magnitude `kvtier bench io` measures on the development machines."""
+
+
+MAX_WAITING = 65536
+"""Queued requests remembered between :meth:`KVStore.queued` and :meth:`KVStore.started`."""
 
 
 @dataclass(frozen=True)
@@ -123,11 +130,52 @@ class StoreStats:
     saved_chunks: int = 0
     dedup_chunks: int = 0
     dropped_chunks: int = 0
-    evictions: Counter[str] = field(default_factory=Counter)
-    demotions: int = 0
-    promotions: int = 0
     load_failures: int = 0
     """Chunks the index promised that no tier could read (damaged or lost)."""
+
+
+class TierMover:
+    """Moves chunk bytes between the store's tiers for its :class:`Placement`."""
+
+    def __init__(self, tiers: Sequence[Tier], host: HostTier, layout: KVLayout) -> None:
+        self.tiers = tiers
+        self.host = host
+        self.layout = layout
+
+    def has_room(self, level: int) -> bool:
+        tier = self.tiers[level]
+        return tier.free >= tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
+
+    def is_pinned(self, level: int, key: ChunkKey) -> bool:
+        return self.tiers[level].is_pinned(key)
+
+    def pin(self, level: int, key: ChunkKey) -> bool:
+        return self.tiers[level].pin(key)
+
+    def unpin(self, level: int, key: ChunkKey) -> None:
+        self.tiers[level].unpin(key)
+
+    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
+        """The DRAM slot is handed to a lower tier as it lies (zero-copy for the SSD tier); a
+        chunk read from a lower tier lands straight in the destination's reservation."""
+        source, target = self.tiers[src], self.tiers[dst]
+        try:
+            if src == 0:
+                stored = target.put(key, self.host.view(key), self.layout.layer_bytes)
+                return Copied.OK if stored else Copied.FAILED
+            res = target.reserve(key, source.entry_bytes(key) or 0, self.layout.layer_bytes)
+        except (TierFullError, ValueError) as exc:
+            log.warning("copying chunk %s from %s to %s failed: %s", key.hex(), source.name,
+                        target.name, exc)
+            return Copied.FAILED
+        ok = source.get(key, out=res.buffer) is not None
+        stored = target.commit(res, ok=ok)
+        if not ok:
+            return Copied.SOURCE_LOST
+        return Copied.OK if stored else Copied.FAILED
+
+    def drop(self, key: ChunkKey, level: int) -> None:
+        self.tiers[level].delete(key)
 
 
 class KVStore:
@@ -139,7 +187,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._namespaces: dict[str, Namespace] = {}
         # policies first: a bad one must fail before any tier takes memory or a directory lock
-        self.policies: list[EvictionPolicy] = [
+        policies = [
             make_policy(config.policy, TierContext(
                 level=level, chunk_tokens=self.layout.chunk_tokens,
                 chunk_load_s=self.layout.chunk_bytes / NOMINAL_READ_BPS[level],
@@ -163,13 +211,15 @@ class KVStore:
                     f"{tier.name} capacity of {tier.capacity} bytes cannot hold one chunk "
                     f"({need} bytes for {self.layout.chunk_tokens} tokens of this layout)"
                 )
-        self.index = ChunkIndex()
+        self.placement = Placement(policies, TierMover(self.tiers, host, self.layout))
+        self._next_seq = 0
+        self._waiting: dict[str, int] = {}
+        self.index = self.placement.index
         self.stats = StoreStats()
         for level, tier in enumerate(self.tiers):
             for key in tier.keys():  # persistent tiers come back with their chunks, oldest first
-                self.index.add(key, level)
-                self.policies[level].insert(key)
-            while tier.used > tier.capacity and self._evict(level):
+                self.placement.added(key, level)
+            while tier.used > tier.capacity and self.placement.evict(level):
                 pass
 
     # -- keys ---------------------------------------------------------------------------------
@@ -191,8 +241,7 @@ class KVStore:
         """:meth:`lookup` for keys already computed (by a client of the store daemon)."""
         c = self.layout.chunk_tokens
         with self._lock:
-            hit = self.index.longest_prefix(keys)
-            self._touch(hit.keys)
+            hit = self.placement.lookup(keys)
             st = self.stats
             st.lookups += 1
             st.lookup_tokens += len(keys) * c if num_tokens is None else num_tokens
@@ -249,7 +298,7 @@ class KVStore:
                 if source is None:
                     break
                 loaded_from.append(source)
-            self._touch(hit.keys[: len(loaded_from)])
+            self.placement.touch(hit.keys[: len(loaded_from)])
             for name in loaded_from:  # in layer-tokens: a layer-by-layer load counts once
                 self.stats.loaded_layer_tokens[name] += c * len(wanted)
         tokens = len(loaded_from) * c
@@ -261,10 +310,8 @@ class KVStore:
     ) -> str | None:
         """Copy chunk ``key`` into position ``i`` of ``out``; the tier read from, or None."""
         layout = self.layout
-        while (level := self.index.fastest(key)) is not None:
+        while (level := self.placement.source(key, promote)) is not None:
             tier = self.tiers[level]
-            if level > 0 and promote and self._promote(key, level):
-                level, tier = 0, self.tiers[0]
             with tier.pinned(key) as held:
                 if held and level == 0:
                     raw = self.host.view(key)
@@ -286,42 +333,37 @@ class KVStore:
             self._forget(key, level)
         return None
 
-    def _promote(self, key: ChunkKey, level: int) -> bool:
-        """Copy a chunk from ``level`` into DRAM. False if there is no room or the read fails."""
-        src = self.tiers[level]
-        # Pinned first: making room in DRAM demotes into lower tiers, which must not evict it.
-        with src.pinned(key) as held:
-            if not held:
-                return False
-            try:
-                res = self._reserve(0, key, src.entry_bytes(key) or 0)
-            except TierFullError:
-                return False
-            ok = src.get(key, out=res.buffer) is not None
-            self.host.commit(res, ok=ok)
-        if not ok:
-            self._forget(key, level)
-            return False
-        self.index.add(key, 0)
-        self.policies[0].insert(key)
-        self.stats.promotions += 1
-        return True
-
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
         """Promote the held prefix of ``keys`` into DRAM ahead of use (a scheduler hint).
         Returns how many chunks were promoted; stops at the first chunk held nowhere."""
-        promoted = 0
         with self._lock:
-            for key in keys:
-                level = self.index.fastest(key)
-                if level is None:
-                    break
-                if level > 0:
-                    if not self._promote(key, level):
-                        break
-                    promoted += 1
-            self._touch(list(keys))
-        return promoted
+            return self.placement.prefetch(list(keys))
+
+    # -- scheduler hooks ----------------------------------------------------------------------
+    def queued(self, request_id: str, keys: Sequence[ChunkKey]) -> int:
+        """A request arrived and waits to be served; it will need ``keys``. It gets the next
+        number in arrival order, the policies with a look-ahead hear of it (AttentionStore's
+        window: its chunks are kept over others), and its held chunks are prefetched into DRAM.
+        Returns how many were promoted. Call :meth:`started` when it is scheduled."""
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._waiting[request_id] = seq
+            while len(self._waiting) > MAX_WAITING:  # never started (aborted): forget the oldest
+                self._waiting.pop(next(iter(self._waiting)))
+            keys = list(keys)
+            if self.placement.lookahead:
+                self.placement.hint(seq, keys)
+            return self.placement.prefetch(keys)
+
+    def started(self, request_id: str) -> None:
+        """The request announced by :meth:`queued` is being served (before its lookup). Requests
+        are assumed to start roughly in arrival order: starting one also ends the look-ahead
+        protection of those that arrived before it. Unknown ids are ignored."""
+        with self._lock:
+            seq = self._waiting.pop(request_id, None)
+            if seq is not None:
+                self.placement.begin(seq, time.monotonic())
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, tokens: object, kv: Sequence[Sequence[torch.Tensor]], *, tenant: str | None = None) -> SaveResult:
@@ -349,7 +391,7 @@ class KVStore:
                     self.commit_chunk(res, ok=False)
                     raise
                 stored += self.commit_chunk(res)
-            self._touch(keys)
+            self.placement.touch(keys)
             self.stats.dedup_chunks += present
             self.stats.dropped_chunks += dropped
         return SaveResult(stored=stored, present=present, dropped=dropped)
@@ -363,21 +405,22 @@ class KVStore:
         with self._lock:
             if key in self.index:
                 return None
-            if not self.policies[0].admit(key, position):
-                raise TierFullError(f"the {self.config.policy} policy did not admit the chunk")
-            return self._reserve(0, key, self.layout.chunk_bytes)
+            if not self.placement.room_for_new(key, position):
+                raise TierFullError(
+                    f"no DRAM slot for the chunk: the {self.config.policy} policy did not admit "
+                    "it, or every resident chunk is pinned"
+                )
+            return self.host.reserve(key, self.layout.chunk_bytes, self.layout.layer_bytes)
 
     def commit_chunk(self, res: Reservation, ok: bool = True) -> bool:
         """Publish (or abandon) a reserved chunk; with ``write_through``, copy it to SSD too."""
         with self._lock:
             if not self.host.commit(res, ok=ok):
                 return False
-            self.index.add(res.key, 0)
-            self.policies[0].insert(res.key)
+            self.placement.added(res.key, 0)
             self.stats.saved_chunks += 1
             if self.config.write_through and len(self.tiers) > 1:
-                with self.host.pinned(res.key):
-                    self._demote(res.key, 0, 1)
+                self.placement.demote(res.key, 0)
             return True
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[int]:
@@ -388,7 +431,7 @@ class KVStore:
         with self._lock:
             for key in keys:
                 level = self.index.fastest(key)
-                if level is None or (level > 0 and not self._promote(key, level)):
+                if level is None or (level > 0 and not self.placement.promote(key, level)):
                     break
                 if not self.host.pin(key):
                     break
@@ -396,7 +439,7 @@ class KVStore:
                 self.stats.loaded_layer_tokens[self.tiers[level].name] += (
                     self.layout.chunk_tokens * self.layout.num_layers
                 )
-            self._touch(list(keys[: len(slots)]))
+            self.placement.touch(list(keys[: len(slots)]))
         return slots
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
@@ -406,72 +449,18 @@ class KVStore:
                 self.host.unpin(key)
 
     # -- placement ----------------------------------------------------------------------------
-    def _reserve(self, level: int, key: ChunkKey, nbytes: int) -> Reservation:
-        """Reserve in tier ``level``, evicting its victims until it fits. TierFullError if
-        everything left is pinned."""
-        tier = self.tiers[level]
-        while True:
-            try:
-                return tier.reserve(key, nbytes, self.layout.layer_bytes)
-            except TierFullError:
-                if not self._evict(level):
-                    raise
-
-    def _evict(self, level: int) -> bool:
-        """Evict one chunk from tier ``level`` (demoting it to the next tier). False if none can go."""
-        tier = self.tiers[level]
-        key = self.policies[level].victim(lambda k: not tier.is_pinned(k))
-        if key is None:
-            return False
-        lower = level + 1
-        if lower < len(self.tiers) and not self.index.holds(key, lower):
-            with tier.pinned(key):
-                self._demote(key, level, lower)
-        tier.delete(key)
-        self.index.discard(key, level)
-        self.policies[level].remove(key)
-        self.stats.evictions[tier.name] += 1
-        return True
-
-    def _demote(self, key: ChunkKey, level: int, lower: int) -> None:
-        """Copy a pinned chunk down a tier. The DRAM slot is handed to the lower tier as it
-        lies (zero-copy for the SSD tier); a failed or refused write just drops the chunk."""
-        src = self.tiers[level]
-        data = self.host.view(key) if level == 0 else src.get(key)
-        if data is None:
-            return
-        dst = self.tiers[lower]
-        if not self.policies[lower].admit(key, None):
-            return  # the policy keeps this tier for chunks more likely to be reused
-        while True:
-            try:
-                stored = dst.put(key, data, self.layout.layer_bytes)
-                break
-            except TierFullError:
-                if not self._evict(lower):
-                    return
-        if stored:
-            self.index.add(key, lower)
-            self.policies[lower].insert(key)
-            self.stats.demotions += 1
-
     def _forget(self, key: ChunkKey, level: int) -> None:
         """The tier lost the chunk (damage found on read): drop it from the index."""
-        self.index.discard(key, level)
-        self.policies[level].remove(key)
+        self.placement.forget(key, level)
         tier = self.tiers[level]
         if tier.contains(key) and not tier.is_pinned(key):
             tier.delete(key)
-
-    def _touch(self, keys: list[ChunkKey]) -> None:
-        for policy in self.policies:
-            policy.touch(keys)
 
     # -- introspection ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
         with self._lock:
-            s = self.stats
+            s, ps = self.stats, self.placement.stats
             return {
                 "tiers": {
                     t.name: {
@@ -480,7 +469,7 @@ class KVStore:
                         "chunks": self.index.count(level),
                         "hits": s.hits[t.name],
                         "misses": s.misses[t.name],
-                        "evictions": s.evictions[t.name],
+                        "evictions": ps.evictions[level],
                         "io": t.stats.as_dict(),
                     }
                     for level, t in enumerate(self.tiers)
@@ -494,8 +483,8 @@ class KVStore:
                 "saved_chunks": s.saved_chunks,
                 "dedup_chunks": s.dedup_chunks,
                 "dropped_chunks": s.dropped_chunks,
-                "demotions": s.demotions,
-                "promotions": s.promotions,
+                "demotions": sum(ps.writes_down[1:]),
+                "promotions": ps.promotions,
                 "load_failures": s.load_failures,
             }
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from kvtier.bench.simstore import SimConfig, SimStore
 from kvtier.core.cost_model import ComputeModel
-from kvtier.core.placement import Placement, PlacementConfig
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import (
     POLICIES,
@@ -113,7 +113,7 @@ def test_every_policy_runs_the_store_placement_and_respects_capacity(name):
         for key in keys:
             future.setdefault(key, []).append(seq)
     contexts = [TierContext(level=0, future=future), TierContext(level=1, future=future)]
-    place = Placement(PlacementConfig(name, dram_chunks=6, ssd_chunks=10), contexts)
+    place = SimStore(SimConfig(name, dram_chunks=6, ssd_chunks=10), contexts)
     for seq, keys in enumerate(requests):
         place.begin(seq, float(seq))
         if place.lookahead and seq + 1 < len(requests):
@@ -121,6 +121,7 @@ def test_every_policy_runs_the_store_placement_and_respects_capacity(name):
             place.prefetch(requests[seq + 1])
         place.load(place.lookup(keys))
         place.save(keys)
-        assert place.used == [place.index.count(0), place.index.count(1)]
-        assert place.used[0] <= 6 and place.used[1] <= 10
-        assert [len(p) for p in place.policies] == place.used
+        used, index = place.mover.used, place.placement.index
+        assert used == [index.count(0), index.count(1)]
+        assert used[0] <= 6 and used[1] <= 10
+        assert [len(p) for p in place.placement.policies] == used

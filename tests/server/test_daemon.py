@@ -201,6 +201,19 @@ def test_prometheus_metrics_over_http(tmp_path):
         d.stop()
 
 
+def test_a_queued_request_is_prefetched_from_ssd_by_the_daemon(daemon):
+    n = 12 * C  # DRAM holds 8 chunks: the first ones go down to SSD
+    client = StoreClient(str(daemon.socket))
+    client.save(list(range(n)), make_kv(LAYOUT, n, seed=3))
+    keys = client.keys_for(list(range(4 * C)))
+    assert client.lookup(list(range(4 * C))).tiers == ["disk"] * 4
+    assert client.queued("req-1", keys) == 4
+    client.started("req-1")
+    assert client.lookup(list(range(4 * C))).tiers == ["host"] * 4
+    assert client.errors == 0
+    client.close()
+
+
 def test_store_stats_command(daemon):
     client = StoreClient(str(daemon.socket))
     client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))

@@ -5,8 +5,9 @@ Each request of a :class:`~kvtier.bench.trace.Trace` is served FIFO by the first
 have arrived by then (up to the policy's ``lookahead``) are announced with ``hint`` and their
 chunks prefetched into DRAM while the queue's chunks fit in DRAM (prefetch is assumed to finish
 in the background before use). The request then does what an engine does with the store:
-``lookup``, ``load``, ``save`` of all its blocks, on a :class:`~kvtier.core.placement.Placement`
-driven by the very policy objects of :data:`~kvtier.core.policy.POLICIES`.
+``lookup``, ``load``, ``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`:
+the live store's own :class:`~kvtier.core.placement.Placement` and policy objects, with a mover
+that counts chunks instead of copying bytes.
 
 Its prefill time is the recompute of the tokens after the loaded prefix (the
 :class:`~kvtier.core.cost_model.ComputeModel`, attention growing with position) plus the time to
@@ -22,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvtier.bench.simstore import SimConfig, SimStore
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace
 from kvtier.core.cost_model import ComputeModel
 from kvtier.core.layout import KVLayout
-from kvtier.core.placement import Placement, PlacementConfig
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import POLICIES
 
@@ -58,7 +59,7 @@ class ReplayConfig:
         for name in ("dram_read_GBps", "ssd_read_GBps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        PlacementConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
+        SimConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
 
     def load_s(self, level: int) -> float:
         gbps = self.dram_read_GBps if level == 0 else self.ssd_read_GBps
@@ -93,11 +94,11 @@ class ReplayResult:
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay ``trace`` under ``config``. Deterministic."""
     compute, c = config.compute, MOONCAKE_BLOCK_TOKENS
-    pcfg = PlacementConfig(config.policy, config.dram_blocks, config.ssd_blocks)
+    pcfg = SimConfig(config.policy, config.dram_blocks, config.ssd_blocks)
     future = trace.future() if config.policy == "optimal" else None
     contexts = [TierContext(level=lvl, chunk_load_s=config.load_s(lvl), chunk_tokens=c,
                             compute=compute, future=future) for lvl in range(len(pcfg.capacities))]
-    place = Placement(pcfg, contexts)
+    place = SimStore(pcfg, contexts)
     load_s = [config.load_s(lvl) for lvl in range(2)]
     lookahead = place.lookahead
     requests = trace.requests
@@ -141,7 +142,8 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         cached_s += service
         base_flops += full
         cached_flops += flops
-    st = place.stats
+    st = place.placement.stats
+    ssd_reads = place.mover.reads[1] if len(place.mover.reads) > 1 else 0
     total_blocks = trace.total_blocks
     chunk_bytes = config.layout.chunk_bytes
     return ReplayResult(
@@ -151,15 +153,15 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         requests=n,
         hit_ratio_blocks=hit_blocks / total_blocks if total_blocks else 0.0,
         hit_ratio_tokens=hit_tokens / total_tokens if total_tokens else 0.0,
-        hit_ratio_dram=st.hits[0] / total_blocks if total_blocks else 0.0,
-        hit_ratio_ssd=st.hits[1] / total_blocks if total_blocks else 0.0,
+        hit_ratio_dram=place.hits[0] / total_blocks if total_blocks else 0.0,
+        hit_ratio_ssd=sum(place.hits[1:]) / total_blocks if total_blocks else 0.0,
         prefill_saved=1.0 - cached_s / base_s if base_s else 0.0,
         compute_saved=1.0 - cached_flops / base_flops if base_flops else 0.0,
         ttft_mean_s=float(ttft.mean()),
         ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
-        ssd_bytes_written=st.demotions * chunk_bytes,
-        ssd_bytes_read=st.ssd_reads * chunk_bytes,
+        ssd_bytes_written=sum(st.writes_down[1:]) * chunk_bytes,
+        ssd_bytes_read=ssd_reads * chunk_bytes,
         prefetch_accuracy=st.prefetch_hits / st.prefetched if st.prefetched else None,
         refused_blocks=st.refused,
     )

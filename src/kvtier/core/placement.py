@@ -1,90 +1,106 @@
-"""Two-tier placement without bytes: the store's placement rules over a :class:`ChunkIndex`.
+"""Where chunks live: the placement rules the live store and trace replay share.
 
-:class:`Placement` is what :class:`kvtier.store.KVStore` does with its index and policies,
-minus the byte movement, with tier capacity counted in chunks. Trace replay uses it to measure
-policies; it drives the policies exactly as the store does:
+Bookkeeping apart from byte movement (vLLM's offload manager and its transfer handlers):
+:class:`Placement` owns the chunk index and one policy per tier, and decides what is admitted,
+evicted, demoted, promoted and dropped; a :class:`Mover` moves the bytes. The live store's mover
+copies between real tiers (:mod:`kvtier.store`); ``kvtier replay``'s mover only counts chunks
+against capacities. The same object, the same policies, the same rules:
 
-- ``lookup``: the longest held prefix; touches its keys (every tier's policy);
-- ``load``: reads the hit's chunks in order, promoting a chunk found on SSD into DRAM (its SSD
-  copy stays); touches the chunks read;
-- ``save``: new chunks go to DRAM, after the DRAM policy ``admit`` s them; touches all keys;
-- ``prefetch``: promotes the held prefix of a queued request's keys; touches them;
-- making room evicts the tier policy's ``victim``: from DRAM it is demoted to SSD (written only if
-  SSD does not hold it yet and the SSD policy admits it), from SSD it is dropped. The chunk being
-  promoted is pinned in its tier while room is made for it (as the store pins it).
+- ``lookup``: the longest held prefix; touches its keys (every tier's policy is touched, even for
+  keys its tier does not hold);
+- a new chunk goes to DRAM once the DRAM policy ``admit`` s it (``room_for_new``);
+- making room in a tier evicts its policy's ``victim`` among the chunks not pinned; an evicted
+  chunk is demoted to the next tier (written there only if that tier does not hold it yet and its
+  policy admits it; room is made there first, recursively), from the last tier it is dropped;
+- ``source``: the tier to read a chunk from; a chunk found below DRAM is promoted into DRAM first
+  (its lower copy stays, so demoting it again costs no write). The chunk is pinned in its tier
+  while room is made, so the demotions that makes cannot evict it;
+- ``prefetch``: promotes the held prefix of a queued request's chunks;
+- scheduler hooks ``begin`` and ``hint`` reach every policy (see
+  :mod:`kvtier.core.policies.base`).
+
+Not thread-safe: the store calls it under its lock.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvtier.core.index import ChunkIndex, PrefixHit
 from kvtier.core.keys import ChunkKey
-from kvtier.core.policies.base import EvictionPolicy, TierContext
-from kvtier.core.policy import POLICIES, make_policy
+from kvtier.core.policies.base import EvictionPolicy
 
 
-@dataclass(frozen=True)
-class PlacementConfig:
-    policy: str = "lru"
-    dram_chunks: int = 1024
-    ssd_chunks: int = 0
-    """0: no SSD tier (DRAM evictions are dropped)."""
+class Copied(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+    """Not written (no room after all, an I/O error at the destination): nothing changes."""
+    SOURCE_LOST = "source_lost"
+    """The source copy could not be read (damaged, gone): the placement forgets it."""
 
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known policies: {list(POLICIES)}")
-        if not isinstance(self.dram_chunks, int) or self.dram_chunks <= 0:
-            raise ValueError(f"dram_chunks must be a positive int, got {self.dram_chunks!r}")
-        if not isinstance(self.ssd_chunks, int) or self.ssd_chunks < 0:
-            raise ValueError(f"ssd_chunks must be a non-negative int, got {self.ssd_chunks!r}")
 
-    @property
-    def capacities(self) -> tuple[int, ...]:
-        return (self.dram_chunks, self.ssd_chunks) if self.ssd_chunks else (self.dram_chunks,)
+class Mover(Protocol):
+    """Moves chunks between tiers for a :class:`Placement`; levels count from 0 (DRAM)."""
+
+    def has_room(self, level: int) -> bool:
+        """Whether tier ``level`` can take one more chunk now."""
+
+    def is_pinned(self, level: int, key: ChunkKey) -> bool: ...
+
+    def pin(self, level: int, key: ChunkKey) -> bool:
+        """Pin a held chunk against deletion; False if the tier does not hold it."""
+
+    def unpin(self, level: int, key: ChunkKey) -> None: ...
+
+    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
+        """Write the chunk held at ``src`` into ``dst`` (which has room)."""
+
+    def drop(self, key: ChunkKey, level: int) -> None:
+        """Delete the (unpinned) chunk from tier ``level``."""
 
 
 @dataclass(slots=True)
 class PlacementStats:
-    hits: list[int] = field(default_factory=lambda: [0, 0])
-    """Per level: chunks loaded whose fastest copy was in that tier."""
+    evictions: list[int]
+    """Per level: chunks evicted from it."""
+    writes_down: list[int]
+    """Per level: chunks demoted (or written through) into it."""
     promotions: int = 0
-    demotions: int = 0
-    """Chunks written to SSD."""
-    ssd_reads: int = 0
-    """Chunks read from SSD (promotions, prefetches, and loads that could not promote)."""
-    evictions: list[int] = field(default_factory=lambda: [0, 0])
     refused: int = 0
     """Chunks a policy did not admit: into DRAM (counted with the rest of their sequence), or
-    into SSD on demotion (dropped instead)."""
+    into a lower tier on demotion (dropped there instead)."""
     dropped: int = 0
-    """Chunks that found no room (everything pinned)."""
+    """New chunks that found no room (everything pinned)."""
+    lost: int = 0
+    """Copies found damaged or gone when read, and forgotten."""
     prefetched: int = 0
     prefetch_hits: int = 0
-    """Prefetched chunks later found in DRAM by a lookup (each counted once)."""
+    """Prefetched chunks later read from DRAM (each counted once)."""
+
+    @classmethod
+    def for_levels(cls, levels: int) -> PlacementStats:
+        return cls(evictions=[0] * levels, writes_down=[0] * levels)
 
 
 class Placement:
-    """Index plus one policy per tier; capacities in chunks. Not thread-safe."""
+    """The index and one policy per tier (fastest first), moving chunks through ``mover``."""
 
-    def __init__(self, config: PlacementConfig, contexts: Sequence[TierContext] | None = None) -> None:
-        caps = config.capacities
-        if contexts is None:
-            contexts = [TierContext(level=lvl) for lvl in range(len(caps))]
-        if len(contexts) != len(caps):
-            raise ValueError(f"{len(caps)} tiers but {len(contexts)} tier contexts")
-        self.config = config
-        self.capacity = caps
+    def __init__(self, policies: Sequence[EvictionPolicy], mover: Mover) -> None:
+        if not policies:
+            raise ValueError("a placement needs at least one tier")
+        self.policies = list(policies)
+        self.levels = len(self.policies)
+        self.mover = mover
         self.index = ChunkIndex()
-        self.policies: list[EvictionPolicy] = [make_policy(config.policy, c) for c in contexts]
-        self.used = [0] * len(caps)
-        self.stats = PlacementStats()
+        self.stats = PlacementStats.for_levels(self.levels)
         self._prefetched: set[ChunkKey] = set()
-        self._pinned: tuple[ChunkKey, int] | None = None
 
     @property
     def lookahead(self) -> int:
+        """Queued requests the DRAM policy wants announced with :meth:`hint` (0: none)."""
         return self.policies[0].lookahead
 
     # -- scheduler hooks ----------------------------------------------------------------------
@@ -96,52 +112,128 @@ class Placement:
         for policy in self.policies:
             policy.hint(seq, keys)
 
-    # -- the store's calls --------------------------------------------------------------------
+    # -- bookkeeping --------------------------------------------------------------------------
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        for policy in self.policies:
+            policy.touch(keys)
+
+    def added(self, key: ChunkKey, level: int) -> None:
+        """A chunk landed in tier ``level`` (a save committed, a tier reopened with it)."""
+        if not self.index.holds(key, level):
+            self.index.add(key, level)
+            self.policies[level].insert(key)
+
+    def forget(self, key: ChunkKey, level: int) -> None:
+        """Tier ``level`` lost the chunk (damage found on read): it leaves the index."""
+        if self.index.holds(key, level):
+            self.index.discard(key, level)
+            self.policies[level].remove(key)
+            self.stats.lost += 1
+        if level == 0:
+            self._prefetched.discard(key)
+
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
         hit = self.index.longest_prefix(keys)
-        self._touch(hit.keys)
+        self.touch(hit.keys)
         return hit
 
-    def load(self, hit: PrefixHit) -> list[int]:
-        """Read ``hit``'s chunks in order; the level each was read from (before promotion).
-        Stops early if making room for a promotion dropped a later chunk of the hit."""
-        index, sources = self.index, []
-        for key in hit.keys:
-            level = index.fastest(key)
-            if level is None:
-                break
-            if level == 0:
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    self.stats.prefetch_hits += 1
-            else:
-                if not self._promote(key, level):
-                    self.stats.ssd_reads += 1  # read in place
-            self.stats.hits[level] += 1
-            sources.append(level)
-        self._touch(hit.keys[: len(sources)])
-        return sources
+    # -- placement ----------------------------------------------------------------------------
+    def room_for_new(self, key: ChunkKey, position: int | None, remaining: int = 1) -> bool:
+        """Admission and room in DRAM for new chunk ``position`` of a sequence; ``remaining``:
+        chunks of the sequence from this one on (all count as refused or dropped on False)."""
+        if not self.policies[0].admit(key, position):
+            self.stats.refused += remaining
+            return False
+        if not self.make_room(0):
+            self.stats.dropped += remaining
+            return False
+        return True
 
-    def save(self, keys: Sequence[ChunkKey]) -> int:
-        """Add the chunks of ``keys`` not held yet to DRAM; how many were added."""
-        stored = 0
-        index, dram = self.index, self.policies[0]
-        for i, key in enumerate(keys):
-            if key in index:
-                continue
-            if not dram.admit(key, i):
-                self.stats.refused += len(keys) - i
-                break
-            if not self._make_room(0):
-                self.stats.dropped += len(keys) - i
-                break
-            self._add(key, 0)
-            stored += 1
-        self._touch(keys)
-        return stored
+    def make_room(self, level: int) -> bool:
+        """Evict from tier ``level`` until it has room; False if everything left is pinned."""
+        while not self.mover.has_room(level):
+            if not self.evict(level):
+                return False
+        return True
+
+    def evict(self, level: int) -> bool:
+        """Evict one chunk from tier ``level``, demoting it. False if none can go."""
+        mover = self.mover
+        key = self.policies[level].victim(lambda k: not mover.is_pinned(level, k))
+        if key is None:
+            return False
+        self.demote(key, level)
+        mover.drop(key, level)
+        self.index.discard(key, level)
+        self.policies[level].remove(key)
+        self.stats.evictions[level] += 1
+        if level == 0:
+            self._prefetched.discard(key)
+        return True
+
+    def demote(self, key: ChunkKey, level: int) -> bool:
+        """Write the chunk held at ``level`` into the next tier, unless that tier holds it,
+        does not exist, or its policy does not admit it. Whether the next tier holds it now."""
+        lower = level + 1
+        if lower >= self.levels:
+            return False
+        if self.index.holds(key, lower):
+            return True
+        if not self.policies[lower].admit(key, None):
+            self.stats.refused += 1
+            return False
+        if not self.mover.pin(level, key):
+            return False
+        try:
+            if not self.make_room(lower):
+                return False
+            copied = self.mover.copy(key, level, lower)
+        finally:
+            self.mover.unpin(level, key)
+        if copied is Copied.SOURCE_LOST:
+            self.forget(key, level)
+        if copied is not Copied.OK:
+            return False
+        self.added(key, lower)
+        self.stats.writes_down[lower] += 1
+        return True
+
+    def promote(self, key: ChunkKey, level: int) -> bool:
+        """Copy a chunk from ``level`` into DRAM. False if there is no room or the read fails."""
+        mover = self.mover
+        if not mover.pin(level, key):
+            return False
+        try:  # pinned: making room in DRAM demotes into lower tiers, which must not evict it
+            if not self.make_room(0):
+                return False
+            copied = mover.copy(key, level, 0)
+        finally:
+            mover.unpin(level, key)
+        if copied is Copied.SOURCE_LOST:
+            self.forget(key, level)
+        if copied is not Copied.OK:
+            return False
+        self.added(key, 0)
+        self.stats.promotions += 1
+        return True
+
+    def source(self, key: ChunkKey, promote: bool = True) -> int | None:
+        """The tier to read ``key`` from now (promoting it into DRAM first when ``promote``);
+        None if no tier holds it."""
+        level = self.index.fastest(key)
+        if level is None:
+            return None
+        if level == 0:
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.stats.prefetch_hits += 1
+        elif promote and self.promote(key, level):
+            level = 0
+        return level
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
-        """Promote the held prefix of ``keys`` into DRAM; stops at the first chunk held nowhere."""
+        """Promote the held prefix of ``keys`` into DRAM; stops at the first chunk held nowhere
+        or that finds no room. Touches ``keys``; returns how many chunks were promoted."""
         promoted = 0
         index = self.index
         for key in keys:
@@ -149,62 +241,10 @@ class Placement:
             if level is None:
                 break
             if level > 0:
-                if not self._promote(key, level):
+                if not self.promote(key, level):
                     break
                 promoted += 1
                 self._prefetched.add(key)
         self.stats.prefetched += promoted
-        self._touch(keys)
+        self.touch(keys)
         return promoted
-
-    # -- placement ----------------------------------------------------------------------------
-    def _touch(self, keys: Sequence[ChunkKey]) -> None:
-        for policy in self.policies:
-            policy.touch(keys)
-
-    def _add(self, key: ChunkKey, level: int) -> None:
-        self.index.add(key, level)
-        self.policies[level].insert(key)
-        self.used[level] += 1
-
-    def _make_room(self, level: int) -> bool:
-        while self.used[level] >= self.capacity[level]:
-            if not self._evict(level):
-                return False
-        return True
-
-    def _evict(self, level: int) -> bool:
-        pinned = self._pinned
-        if pinned is not None and pinned[1] == level:
-            held = pinned[0]
-            key = self.policies[level].victim(lambda k: k != held)
-        else:
-            key = self.policies[level].victim(lambda k: True)
-        if key is None:
-            return False
-        lower = level + 1
-        if lower < len(self.capacity) and not self.index.holds(key, lower):
-            if not self.policies[lower].admit(key, None):
-                self.stats.refused += 1
-            elif self._make_room(lower):
-                self._add(key, lower)
-                self.stats.demotions += 1
-        self.index.discard(key, level)
-        self.policies[level].remove(key)
-        self.used[level] -= 1
-        self.stats.evictions[level] += 1
-        if level == 0:
-            self._prefetched.discard(key)
-        return True
-
-    def _promote(self, key: ChunkKey, level: int) -> bool:
-        self._pinned = (key, level)
-        try:
-            if not self._make_room(0):
-                return False
-        finally:
-            self._pinned = None
-        self._add(key, 0)
-        self.stats.promotions += 1
-        self.stats.ssd_reads += 1
-        return True

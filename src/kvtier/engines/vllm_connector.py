@@ -10,8 +10,9 @@ with a store daemon running (``kvtier store serve``, see :func:`engine_model_id`
 engine-core process, and the worker's, next to the model -- are clients of that daemon.
 
 Scheduler side: ``get_num_new_matched_tokens`` looks the prompt up (all but its last token);
-``on_new_request`` sends the daemon a prefetch hint so chunks on SSD are promoted to DRAM while
-the request waits; the metadata of each step tells the workers which chunks to load into which
+``on_new_request`` tells the daemon the request is queued (policies with a look-ahead window hear
+of it, and its chunks on SSD are promoted to DRAM while it waits), and ``get_num_new_matched_tokens``
+that it is being scheduled; the metadata of each step tells the workers which chunks to load into which
 blocks, and which newly computed prompt chunks to save from which blocks.
 
 Worker side: ``start_load_kv`` pins the chunks in the daemon's shared arena and starts copying
@@ -144,18 +145,23 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         prompt = list(request.prompt_token_ids or [])
 
+        rid = str(request.request_id)
+
         def hint() -> None:
             try:
-                self._hint_client.prefetch(self._hint_client.keys_for(prompt[:-1]))
+                self._hint_client.queued(rid, self._hint_client.keys_for(prompt[:-1]))
             except DaemonUnavailable:
                 pass
 
-        self._hints.submit(hint)  # SSD -> DRAM while the request waits in the queue
+        # The daemon's policies hear of the waiting request (AttentionStore's look-ahead window)
+        # and its chunks move SSD -> DRAM while it waits in the queue.
+        self._hints.submit(hint)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         prompt = list(request.prompt_token_ids or [])
         if self._skipped(request) or self._chunk_tokens() is None or len(prompt) < 2:
             return 0, False
+        self.client.started(str(request.request_id))
         hit = self.client.lookup(prompt[:-1])  # one token must be left to compute
         self._lookups[request.request_id] = (hit.keys, num_computed_tokens)
         return max(0, hit.hit_tokens - num_computed_tokens), False

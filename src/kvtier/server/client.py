@@ -293,6 +293,23 @@ class StoreClient:
             self._failed("prefetch", exc)
             return 0
 
+    def queued(self, request_id: str, keys: Sequence[ChunkKey]) -> int:
+        """A request waits to be served: the daemon's policies hear of it and its held chunks
+        are prefetched into DRAM (:meth:`kvtier.store.KVStore.queued`). 0 if unavailable."""
+        try:
+            reply = self._call("queued", request_id=request_id, keys=list(keys))
+            return int(reply["promoted"])  # type: ignore[call-overload]
+        except DaemonUnavailable as exc:
+            self._failed("queued", exc)
+            return 0
+
+    def started(self, request_id: str) -> None:
+        """The request announced by :meth:`queued` is being scheduled."""
+        try:
+            self._call("started", request_id=request_id)
+        except DaemonUnavailable as exc:
+            self._failed("started", exc)
+
     def stats(self) -> dict[str, object]:
         """The daemon's snapshot; raises DaemonUnavailable (for ``kvtier store stats``)."""
         return self._call("stats")["stats"]  # type: ignore[return-value]

@@ -244,6 +244,11 @@ class StoreDaemon:
             return {"ok": True, "committed": done}
         if op == "prefetch":
             return {"ok": True, "promoted": store.prefetch(keys)}
+        if op == "queued":
+            return {"ok": True, "promoted": store.queued(str(req["request_id"]), keys)}
+        if op == "started":
+            store.started(str(req["request_id"]))
+            return {"ok": True}
         raise ValueError(f"unknown operation {op!r}")
 
     def snapshot(self) -> dict[str, object]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.core.placement import Placement, PlacementConfig
+from kvtier.bench.simstore import SimConfig, SimStore
 
 
 def k(i: int) -> bytes:
@@ -10,36 +10,36 @@ def k(i: int) -> bytes:
 
 
 def test_a_full_dram_demotes_to_ssd_and_a_later_hit_promotes_back():
-    place = Placement(PlacementConfig("lru", dram_chunks=2, ssd_chunks=4))
+    place = SimStore(SimConfig("lru", dram_chunks=2, ssd_chunks=4))
     place.save([k(0), k(1)])
     place.save([k(2), k(3)])  # DRAM holds 2: the first conversation goes to SSD
-    assert place.index.levels(k(0)) == [1]
+    assert place.placement.index.levels(k(0)) == [1]
     hit = place.lookup([k(0), k(1), k(9)])
     assert len(hit) == 2 and hit.levels == [1, 1]
     assert place.load(hit) == [1, 1]  # read from SSD...
-    assert place.index.levels(k(0)) == [0, 1]  # ...and now in DRAM too, SSD copy kept
-    assert place.stats.promotions == 2 and place.stats.hits == [0, 2]
-    assert place.stats.demotions == 4  # 0 and 1, then 2 and 3 to make room for them
+    assert place.placement.index.levels(k(0)) == [0, 1]  # ...and now in DRAM too, SSD copy kept
+    assert place.placement.stats.promotions == 2 and place.hits == [0, 2]
+    assert place.placement.stats.writes_down == [0, 4]  # 0 and 1, then 2 and 3 to make room for them
 
 
 def test_without_ssd_an_eviction_is_a_drop():
-    place = Placement(PlacementConfig("lru", dram_chunks=2))
+    place = SimStore(SimConfig("lru", dram_chunks=2))
     place.save([k(0), k(1), k(2)])
-    assert k(0) not in place.index and place.stats.evictions == [1, 0]
-    assert place.stats.demotions == 0
+    assert k(0) not in place.placement.index and place.placement.stats.evictions == [1]
+    assert place.placement.stats.writes_down == [0]
 
 
 def test_prefetch_brings_a_queued_request_into_dram_and_is_counted_when_it_hits():
-    place = Placement(PlacementConfig("attentionstore", dram_chunks=2, ssd_chunks=4))
+    place = SimStore(SimConfig("attentionstore", dram_chunks=2, ssd_chunks=4))
     place.save([k(0), k(1)])
     place.save([k(2), k(3)])
     assert place.prefetch([k(0), k(1), k(7)]) == 2
     place.load(place.lookup([k(0), k(1)]))
-    assert place.stats.hits == [2, 0]
-    assert (place.stats.prefetched, place.stats.prefetch_hits) == (2, 2)
+    assert place.hits == [2, 0]
+    assert (place.placement.stats.prefetched, place.placement.stats.prefetch_hits) == (2, 2)
 
 
 @pytest.mark.parametrize("kw", [{"policy": "fifo"}, {"dram_chunks": 0}, {"ssd_chunks": -1}])
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
-        PlacementConfig(**kw)
+        SimConfig(**kw)
