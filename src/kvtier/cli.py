@@ -98,6 +98,37 @@ def bench_io(as_json: bool, directory: str | None, sizes: tuple[int, ...], total
         _print_io(result)
 
 
+@bench.command("remote")
+@click.option("--backend", type=click.Choice(["valkey", "mooncake", "all"]), default="all",
+              show_default=True, help="Which remote tier to measure.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--sizes", type=MiBList(), default="1,16", show_default=True,
+              help="Object sizes in MiB.")
+@click.option("--count", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Objects moved per phase and size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed rounds (after one warm-up); the median is reported.")
+def bench_remote(backend: str, as_json: bool, sizes: tuple[int, ...], count: int, rounds: int) -> None:
+    """Put/get throughput of the remote tiers against their backend's own client, on loopback
+    servers this command starts and stops."""
+    from kvtier.bench.remote import BACKENDS, RATIO_TARGET, RemoteBenchConfig, run_remote_bench
+
+    config = RemoteBenchConfig(backends=BACKENDS if backend == "all" else (backend,),
+                               sizes=tuple(s << 20 for s in sizes), count=count, rounds=rounds)
+    result = run_remote_bench(config)
+    if as_json:
+        _emit_json(result.as_dict())
+        return
+    table = Table(title=f"remote tiers vs raw clients (GB/s, median of {rounds}; "
+                        f"target ratio >= {RATIO_TARGET})")
+    for col in ("backend", "size", "put", "raw put", "ratio", "get", "raw get", "ratio"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for r in result.rows:
+        table.add_row(r.backend, f"{r.size_bytes >> 20} MiB", f"{r.put_GBps:.2f}", f"{r.raw_put_GBps:.2f}",
+                      f"{r.put_ratio:.2f}", f"{r.get_GBps:.2f}", f"{r.raw_get_GBps:.2f}", f"{r.get_ratio:.2f}")
+    Console().print(table)
+
+
 @bench.command("keys")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--repeats", type=click.IntRange(min=1), default=50, show_default=True)

@@ -27,15 +27,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
 from kvtier.core.layout import KVLayout
-from kvtier.core.placement import Copied, Placement
+from kvtier.core.placement import Placement
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import LIVE_POLICIES, POLICIES, make_policy
+from kvtier.mover import TierMover, Uploader
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.host import HostTier, HostTierConfig
@@ -43,9 +44,48 @@ from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_l
 
 log = logging.getLogger(__name__)
 
-NOMINAL_READ_BPS = (10e9, 1.5e9)
-"""Read bandwidth per tier level (DRAM, SSD) that cost-aware policies assume; the order of
-magnitude `kvtier bench io` measures on the development machines."""
+NOMINAL_READ_BPS = {"host": 10e9, "disk": 1.5e9, "remote": 1e9}
+"""Read bandwidth per kind of tier that cost-aware policies assume; the order of magnitude
+`kvtier bench io` and `kvtier bench remote` measure on the development machines."""
+WRITE_MODES = ("through", "back")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The shared remote tier below SSD (or below DRAM when there is no SSD)."""
+
+    tier: object
+    """A :class:`~kvtier.tiers.valkey.ValkeyTierConfig` or a
+    :class:`~kvtier.tiers.mooncake.MooncakeTierConfig`."""
+    write: str = "through"
+    """``through``: every saved chunk is uploaded (in the background) as soon as it is saved,
+    so other instances find it at once. ``back``: a chunk is uploaded only when it leaves the
+    last local tier (fewer remote writes; other instances see it later)."""
+    max_queued: int = 256
+    """Chunks waiting for upload at most; beyond that a chunk is not uploaded (counted)."""
+
+    def __post_init__(self) -> None:
+        kind = type(self.tier).__name__
+        if kind not in ("ValkeyTierConfig", "MooncakeTierConfig"):
+            raise TypeError(f"RemoteConfig.tier must be a ValkeyTierConfig or MooncakeTierConfig, got {kind}")
+        if self.write not in WRITE_MODES:
+            raise ValueError(f"RemoteConfig.write must be one of {WRITE_MODES}, got {self.write!r}")
+        if not isinstance(self.max_queued, int) or self.max_queued <= 0:
+            raise ValueError(f"RemoteConfig.max_queued must be a positive int, got {self.max_queued!r}")
+
+
+def make_remote_tier(config: object) -> Tier:
+    """The remote tier for a backend config (imports the backend's client only when used)."""
+    kind = type(config).__name__
+    if kind == "ValkeyTierConfig":
+        from kvtier.tiers.valkey import ValkeyTier
+
+        return ValkeyTier(config)  # type: ignore[arg-type]
+    if kind == "MooncakeTierConfig":
+        from kvtier.tiers.mooncake import MooncakeTier
+
+        return MooncakeTier(config)  # type: ignore[arg-type]
+    raise TypeError(f"no remote tier for a {kind}")
 
 
 MAX_WAITING = 65536
@@ -65,6 +105,7 @@ class StoreConfig:
     write_through: bool = False
     """Also write every saved chunk to SSD at once (so it survives a restart), instead of
     only when DRAM demotes it. Costs SSD write bandwidth on every save."""
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -73,6 +114,8 @@ class StoreConfig:
             raise TypeError("StoreConfig.layout must be a KVLayout")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
+        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
+            raise TypeError("StoreConfig.remote must be a RemoteConfig")
         if self.policy not in LIVE_POLICIES:
             raise ValueError(
                 f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
@@ -134,50 +177,6 @@ class StoreStats:
     """Chunks the index promised that no tier could read (damaged or lost)."""
 
 
-class TierMover:
-    """Moves chunk bytes between the store's tiers for its :class:`Placement`."""
-
-    def __init__(self, tiers: Sequence[Tier], host: HostTier, layout: KVLayout) -> None:
-        self.tiers = tiers
-        self.host = host
-        self.layout = layout
-
-    def has_room(self, level: int) -> bool:
-        tier = self.tiers[level]
-        return tier.free >= tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
-
-    def is_pinned(self, level: int, key: ChunkKey) -> bool:
-        return self.tiers[level].is_pinned(key)
-
-    def pin(self, level: int, key: ChunkKey) -> bool:
-        return self.tiers[level].pin(key)
-
-    def unpin(self, level: int, key: ChunkKey) -> None:
-        self.tiers[level].unpin(key)
-
-    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
-        """The DRAM slot is handed to a lower tier as it lies (zero-copy for the SSD tier); a
-        chunk read from a lower tier lands straight in the destination's reservation."""
-        source, target = self.tiers[src], self.tiers[dst]
-        try:
-            if src == 0:
-                stored = target.put(key, self.host.view(key), self.layout.layer_bytes)
-                return Copied.OK if stored else Copied.FAILED
-            res = target.reserve(key, source.entry_bytes(key) or 0, self.layout.layer_bytes)
-        except (TierFullError, ValueError) as exc:
-            log.warning("copying chunk %s from %s to %s failed: %s", key.hex(), source.name,
-                        target.name, exc)
-            return Copied.FAILED
-        ok = source.get(key, out=res.buffer) is not None
-        stored = target.commit(res, ok=ok)
-        if not ok:
-            return Copied.SOURCE_LOST
-        return Copied.OK if stored else Copied.FAILED
-
-    def drop(self, key: ChunkKey, level: int) -> None:
-        self.tiers[level].delete(key)
-
-
 class KVStore:
     """Chunk-keyed KV cache over a host DRAM tier and an optional SSD tier."""
 
@@ -187,20 +186,27 @@ class KVStore:
         self._lock = threading.RLock()
         self._namespaces: dict[str, Namespace] = {}
         # policies first: a bad one must fail before any tier takes memory or a directory lock
+        kinds = ["host"] + ["disk"] * (config.disk is not None) + ["remote"] * (config.remote is not None)
         policies = [
             make_policy(config.policy, TierContext(
                 level=level, chunk_tokens=self.layout.chunk_tokens,
-                chunk_load_s=self.layout.chunk_bytes / NOMINAL_READ_BPS[level],
+                chunk_load_s=self.layout.chunk_bytes / NOMINAL_READ_BPS[kind],
             ))
-            for level in range(1 + (config.disk is not None))
+            for level, kind in enumerate(kinds)
         ]
         host = HostTier(config.host, slot_bytes=self.layout.chunk_bytes)
         self.tiers: list[Tier] = [host]
+        self.remote: Tier | None = None
+        self.uploader: Uploader | None = None
         try:
             if config.disk is not None:
                 self.tiers.append(DiskTier(config.disk))
+            if config.remote is not None:
+                self.remote = make_remote_tier(config.remote.tier)
+                self.tiers.append(self.remote)
         except BaseException:
-            host.close()
+            for tier in self.tiers:
+                tier.close()
             raise
         self.host = host
         for tier in self.tiers:
@@ -211,16 +217,34 @@ class KVStore:
                     f"{tier.name} capacity of {tier.capacity} bytes cannot hold one chunk "
                     f"({need} bytes for {self.layout.chunk_tokens} tokens of this layout)"
                 )
-        self.placement = Placement(policies, TierMover(self.tiers, host, self.layout))
+        if self.remote is not None:
+            self.uploader = Uploader(self.remote, self.layout.layer_bytes, config.remote.max_queued)
+        self.remote_level = len(self.tiers) - 1 if self.remote is not None else None
+        mover = TierMover(self.tiers, host, self.layout, self.uploader, self._uploaded)
+        self.placement = Placement(policies, mover)
+        self.mover = mover
         self._next_seq = 0
         self._waiting: dict[str, int] = {}
         self.index = self.placement.index
         self.stats = StoreStats()
         for level, tier in enumerate(self.tiers):
+            if level == self.remote_level:
+                continue  # shared and large: its chunks are found by lookups, not listed
             for key in tier.keys():  # persistent tiers come back with their chunks, oldest first
                 self.placement.added(key, level)
             while tier.used > tier.capacity and self.placement.evict(level):
                 pass
+
+    def _uploaded(self, key: ChunkKey, ok: bool) -> None:
+        """The uploader finished a chunk (its thread)."""
+        if ok:
+            with self._lock:
+                self.placement.added(key, self.remote_level)  # type: ignore[arg-type]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk queued for the remote tier is uploaded (or failed); False on
+        timeout. Without a remote tier, True at once."""
+        return self.uploader.flush(timeout) if self.uploader is not None else True
 
     # -- keys ---------------------------------------------------------------------------------
     def namespace(self, tenant: str | None = None) -> Namespace:
@@ -241,6 +265,7 @@ class KVStore:
         """:meth:`lookup` for keys already computed (by a client of the store daemon)."""
         c = self.layout.chunk_tokens
         with self._lock:
+            self._probe_remote(keys)
             hit = self.placement.lookup(keys)
             st = self.stats
             st.lookups += 1
@@ -256,6 +281,18 @@ class KVStore:
             keys=hit.keys,
             tiers=[self.tiers[lvl].name for lvl in hit.levels],
         )
+
+    def _probe_remote(self, keys: Sequence[ChunkKey]) -> None:
+        """Chunks past the locally known prefix may be in the shared remote tier (saved by
+        another instance): ask it, in order, and index those it holds."""
+        if self.remote is None:
+            return
+        level = self.remote_level
+        held = len(self.index.longest_prefix(keys))
+        for key in keys[held:]:
+            if not self.remote.contains(key):  # a down server answers False at once
+                break
+            self.placement.added(key, level)  # type: ignore[arg-type]
 
     # -- load ---------------------------------------------------------------------------------
     def load(
@@ -396,12 +433,32 @@ class KVStore:
             self.stats.dropped_chunks += dropped
         return SaveResult(stored=stored, present=present, dropped=dropped)
 
+    def read_entry(self, key: ChunkKey, promote: bool = True) -> tuple[torch.Tensor, str] | None:
+        """A copy of one entry's bytes (a part of a typed object) and the tier it was found in
+        (before any promotion); None on a miss. Damage found on the way is counted and
+        forgotten, as for chunks."""
+        with self._lock:
+            while (found := self.index.fastest(key)) is not None:
+                level = self.placement.source(key, promote)
+                tier = self.tiers[level]  # type: ignore[index]
+                with tier.pinned(key) as held:
+                    data = tier.get(key) if held else None
+                if data is not None:
+                    return data, self.tiers[found].name
+                self.stats.load_failures += 1
+                self._forget(key, level)
+            return None
+
     # -- key-level access (for the store daemon's clients, which share the DRAM arena) -------
-    def reserve_chunk(self, key: ChunkKey, position: int | None = None) -> Reservation | None:
+    def reserve_chunk(self, key: ChunkKey, position: int | None = None,
+                      nbytes: int | None = None) -> Reservation | None:
         """Take a DRAM slot for a new chunk (evicting as needed); fill ``res.buffer`` (or the
         arena at ``res.slot``), then :meth:`commit_chunk`. None if the chunk is already held.
         Raises TierFullError if every resident chunk is pinned or the policy does not admit
-        chunk ``position`` of its sequence."""
+        chunk ``position`` of its sequence. ``nbytes``: a smaller entry than a KV chunk (a part
+        of a typed object); ValueError if larger."""
+        if nbytes is not None and not 0 < nbytes <= self.layout.chunk_bytes:
+            raise ValueError(f"an entry holds 1 to {self.layout.chunk_bytes} bytes, got {nbytes}")
         with self._lock:
             if key in self.index:
                 return None
@@ -410,7 +467,8 @@ class KVStore:
                     f"no DRAM slot for the chunk: the {self.config.policy} policy did not admit "
                     "it, or every resident chunk is pinned"
                 )
-            return self.host.reserve(key, self.layout.chunk_bytes, self.layout.layer_bytes)
+            size = self.layout.chunk_bytes if nbytes is None else nbytes
+            return self.host.reserve(key, size, min(size, self.layout.layer_bytes))
 
     def commit_chunk(self, res: Reservation, ok: bool = True) -> bool:
         """Publish (or abandon) a reserved chunk; with ``write_through``, copy it to SSD too."""
@@ -419,9 +477,26 @@ class KVStore:
                 return False
             self.placement.added(res.key, 0)
             self.stats.saved_chunks += 1
-            if self.config.write_through and len(self.tiers) > 1:
+            if self.config.write_through and self.config.disk is not None:
                 self.placement.demote(res.key, 0)
+            if self.config.remote is not None and self.config.remote.write == "through":
+                self._upload_from_dram(res.key)
             return True
+
+    def _upload_from_dram(self, key: ChunkKey) -> None:
+        """Queue a saved chunk for the remote tier straight from its DRAM slot, pinned until
+        the upload is over (no copy)."""
+        if self.index.holds(key, self.remote_level) or not self.host.pin(key):  # type: ignore[arg-type]
+            return
+
+        def unpin() -> None:
+            with self._lock:
+                self.host.unpin(key)
+
+        if self.mover.upload(key, self.host.view(key), after=unpin):
+            self.placement.stats.writes_down[self.remote_level] += 1  # type: ignore[index]
+        else:
+            self.host.unpin(key)
 
     def acquire(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Pin the longest held prefix of ``keys`` in DRAM, promoting chunks from SSD, and
@@ -486,9 +561,13 @@ class KVStore:
                 "demotions": sum(ps.writes_down[1:]),
                 "promotions": ps.promotions,
                 "load_failures": s.load_failures,
+                "uploads": asdict(self.uploader.stats) if self.uploader is not None else {},
             }
 
     def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.flush(timeout=30)
+            self.uploader.close()
         with self._lock:
             for tier in self.tiers:
                 tier.close()

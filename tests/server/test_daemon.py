@@ -264,3 +264,30 @@ def test_a_second_daemon_on_the_same_socket_is_refused(daemon):
     res = subprocess.run([KVTIER, "store", "serve", "--config", str(daemon.config)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "another daemon is serving" in res.stderr
+
+
+def test_the_remote_tier_is_configured_in_its_own_section(tmp_path):
+    base = {"socket": str(tmp_path / "s.sock"), "model": "m",
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
+            "host": {"capacity_bytes": 1 << 20}}
+    cfg = daemon_config({**base, "remote": {
+        "backend": "valkey", "write": "back",
+        "valkey": {"addresses": ["127.0.0.1:6390"], "capacity_bytes": 1 << 30, "password": "pw"}}})
+    remote = cfg.store.remote
+    assert remote.write == "back" and remote.tier.addresses == ("127.0.0.1:6390",)
+    assert remote.tier.password == "pw"
+    cfg = daemon_config({**base, "remote": {
+        "backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "capacity_bytes": 1 << 30}}})
+    assert cfg.store.remote.tier.master_address == "127.0.0.1:50051"
+    for bad, words in [
+        ({"backend": "redis"}, "backend must be 'valkey' or 'mooncake'"),
+        ({"backend": "valkey"}, r"\[valkey\] is missing"),
+        ({"backend": "valkey", "valkey": {"addresses": ["x"], "capacity_bytes": 1}}, "host:port"),
+        ({"backend": "valkey", "colour": 1}, r"unknown key\(s\) in \[remote\]"),
+        ({"backend": "valkey", "write": "never",
+          "valkey": {"addresses": ["127.0.0.1:1"], "capacity_bytes": 1}}, "write must be"),
+        ({"backend": "valkey", "valkey": {"addresses": ["127.0.0.1:1"], "capacity_bytes": 1,
+                                          "ssl_ca_file": "/nope"}}, "ssl"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            daemon_config({**base, "remote": bad})

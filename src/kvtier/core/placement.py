@@ -40,6 +40,9 @@ class Copied(enum.Enum):
     """Not written (no room after all, an I/O error at the destination): nothing changes."""
     SOURCE_LOST = "source_lost"
     """The source copy could not be read (damaged, gone): the placement forgets it."""
+    QUEUED = "queued"
+    """Handed to a background writer (the remote tier); the mover reports the chunk with
+    :meth:`Placement.added` once it is there."""
 
 
 class Mover(Protocol):
@@ -113,9 +116,9 @@ class Placement:
             policy.hint(seq, keys)
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
         for policy in self.policies:
-            policy.touch(keys)
+            policy.touch(keys, cost_s)
 
     def added(self, key: ChunkKey, level: int) -> None:
         """A chunk landed in tier ``level`` (a save committed, a tier reopened with it)."""
@@ -132,9 +135,9 @@ class Placement:
         if level == 0:
             self._prefetched.discard(key)
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
+    def lookup(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> PrefixHit:
         hit = self.index.longest_prefix(keys)
-        self.touch(hit.keys)
+        self.touch(hit.keys, cost_s)
         return hit
 
     # -- placement ----------------------------------------------------------------------------
@@ -192,6 +195,8 @@ class Placement:
             self.mover.unpin(level, key)
         if copied is Copied.SOURCE_LOST:
             self.forget(key, level)
+        if copied is Copied.QUEUED:
+            self.stats.writes_down[lower] += 1
         if copied is not Copied.OK:
             return False
         self.added(key, lower)

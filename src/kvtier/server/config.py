@@ -18,6 +18,18 @@
     capacity_bytes = 536870912000
     fsync = false
     o_direct = true
+    [remote]                          # optional: the shared tier below SSD
+    backend = "valkey"                # or "mooncake"
+    write = "through"                 # or "back"
+    max_queued = 256
+    [remote.valkey]                   # every field of ValkeyTierConfig
+    addresses = ["10.0.0.5:6379"]
+    capacity_bytes = 1099511627776
+    cluster = false
+    password = "secret"               # and username, ssl, ssl_ca_file, ssl_cert_file, ssl_key_file
+    [remote.mooncake]                 # every field of MooncakeTierConfig (with backend = "mooncake")
+    master_address = "10.0.0.6:50051"
+    capacity_bytes = 1099511627776
 """
 
 from __future__ import annotations
@@ -27,12 +39,13 @@ from collections.abc import Mapping
 
 from kvtier.core.layout import KVLayout
 from kvtier.server.daemon import DaemonConfig
-from kvtier.store import StoreConfig
+from kvtier.store import RemoteConfig, StoreConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 
 _TOP = {"socket", "model", "model_dir", "policy", "write_through", "metrics_port", "tenant",
-        "layout", "host", "disk"}
+        "layout", "host", "disk", "remote"}
+_REMOTE = {"backend", "write", "max_queued", "valkey", "mooncake"}
 
 
 def read_toml(path: str) -> dict[str, object]:
@@ -56,6 +69,30 @@ def _section(raw: Mapping[str, object], name: str, cls: type, allowed: set[str])
         return cls(**data)
     except TypeError as exc:
         raise ValueError(f"config section [{name}]: {exc}") from exc
+
+
+def _remote(data: object) -> RemoteConfig:
+    if not isinstance(data, Mapping):
+        raise ValueError("config section [remote] is not a table")
+    unknown = set(data) - _REMOTE
+    if unknown:
+        raise ValueError(f"unknown key(s) in [remote]: {sorted(unknown)}; allowed: {sorted(_REMOTE)}")
+    backend = data.get("backend")
+    if backend == "valkey":
+        from kvtier.tiers.valkey import ValkeyTierConfig as cls
+    elif backend == "mooncake":
+        from kvtier.tiers.mooncake import MooncakeTierConfig as cls  # type: ignore[assignment]
+    else:
+        raise ValueError(f"[remote] backend must be 'valkey' or 'mooncake', got {backend!r}")
+    sub = data.get(backend)
+    if isinstance(sub, Mapping):  # TOML arrays are lists; the configs are frozen: tuples
+        sub = {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
+    section = _section({backend: sub}, backend, cls, set(cls.__dataclass_fields__))
+    try:
+        return RemoteConfig(section, write=str(data.get("write", "through")),
+                            max_queued=int(data.get("max_queued", 256)))  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise ValueError(f"config section [remote]: {exc}") from exc
 
 
 def daemon_config(raw: Mapping[str, object]) -> DaemonConfig:
@@ -86,8 +123,9 @@ def daemon_config(raw: Mapping[str, object]) -> DaemonConfig:
     disk = None
     if raw.get("disk") is not None:
         disk = _section(raw, "disk", DiskTierConfig, {"path", "capacity_bytes", "fsync", "o_direct"})
+    remote = _remote(raw["remote"]) if raw.get("remote") is not None else None
     store = StoreConfig(
-        model=str(model), layout=layout, host=host, disk=disk,  # type: ignore[arg-type]
+        model=str(model), layout=layout, host=host, disk=disk, remote=remote,  # type: ignore[arg-type]
         policy=str(raw.get("policy", "lru")), tenant=str(raw.get("tenant", "")),
         write_through=bool(raw.get("write_through", False)),
     )

@@ -1,0 +1,205 @@
+"""Byte movement for the store: copies between tiers, and background uploads to the remote tier.
+
+:class:`~kvtier.core.placement.Placement` decides; :class:`TierMover` moves. Copies between local
+tiers (DRAM, SSD) happen in the caller's thread under the store's lock. Copies into the remote
+tier go through an :class:`Uploader`: a bounded queue and one thread, so that a save or an
+eviction never waits on the network. A queued chunk becomes visible in the remote tier (and in
+the store's index) only when its upload has committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.placement import Copied
+from kvtier.tiers.base import EntryPinnedError, Tier, TierFullError
+from kvtier.tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+EVICT_ROUNDS = 4
+EVICT_BATCH = 8
+
+
+@dataclass(slots=True)
+class UploadStats:
+    queued: int = 0
+    uploaded: int = 0
+    failed: int = 0
+    """Uploads the remote tier refused or could not take (server down, full, timeout)."""
+    overflow: int = 0
+    """Chunks not queued because the queue was full (the remote tier is slower than saves)."""
+    evicted: int = 0
+    """Chunks deleted from the full remote tier to make room (oldest first)."""
+
+
+@dataclass(slots=True)
+class _Upload:
+    key: ChunkKey
+    data: torch.Tensor
+    done: Callable[[bool], None]
+    """Called with the outcome, under nothing; it takes the store's lock itself."""
+
+
+class Uploader:
+    """One thread writing queued chunks into a remote tier, in order."""
+
+    def __init__(self, tier: Tier, segment_bytes: int, max_queued: int) -> None:
+        self.tier = tier
+        self.segment_bytes = segment_bytes
+        self.stats = UploadStats()
+        self._queue: queue.Queue[_Upload | None] = queue.Queue(max_queued)
+        self._pending: set[ChunkKey] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._run, name="kvtier-upload", daemon=True)
+        self._thread.start()
+
+    def pending(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._pending
+
+    def submit(self, key: ChunkKey, data: torch.Tensor, done: Callable[[bool], None]) -> bool:
+        """Queue an upload; False (and ``done`` is not called) if already queued or full."""
+        with self._lock:
+            if key in self._pending:
+                return False
+            try:
+                self._queue.put_nowait(_Upload(key, data, done))
+            except queue.Full:
+                self.stats.overflow += 1
+                return False
+            self._pending.add(key)
+            self.stats.queued += 1
+            return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload has finished; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ok = False
+            try:
+                ok = self._put(item)
+            except Exception:  # never let one upload kill the thread
+                log.exception("upload of chunk %s to the remote tier failed", item.key.hex())
+            with self._lock:
+                if ok:
+                    self.stats.uploaded += 1
+                else:
+                    self.stats.failed += 1
+            try:
+                item.done(ok)
+            finally:
+                with self._idle:
+                    self._pending.discard(item.key)
+                    self._idle.notify_all()
+
+    def _put(self, item: _Upload) -> bool:
+        """Upload one chunk. A full remote tier gives up its oldest chunks (first written,
+        first out, whoever wrote them: it is shared) to make room, a few at a time."""
+        tier = self.tier
+        for _ in range(EVICT_ROUNDS):
+            if tier.contains(item.key):
+                return True
+            try:
+                return tier.put(item.key, item.data, self.segment_bytes)
+            except ValueError as exc:  # being written by another instance right now
+                log.info("remote tier did not take chunk %s: %s", item.key.hex(), exc)
+                return False
+            except TierFullError:
+                oldest = tier.keys()[:EVICT_BATCH]
+                if not oldest:
+                    return False
+                for key in oldest:
+                    with contextlib.suppress(EntryPinnedError):
+                        tier.delete(key)
+                self.stats.evicted += len(oldest)
+        return False
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+class TierMover:
+    """Moves chunk bytes between the store's tiers for its Placement. The remote tier, if
+    any, is the last level and is written only through ``uploader``."""
+
+    def __init__(self, tiers: Sequence[Tier], host: HostTier, layout: KVLayout,
+                 uploader: Uploader | None = None,
+                 uploaded: Callable[[ChunkKey, bool], None] | None = None) -> None:
+        self.tiers = tiers
+        self.host = host
+        self.layout = layout
+        self.uploader = uploader
+        self.remote_level = len(tiers) - 1 if uploader is not None else None
+        self._uploaded = uploaded
+
+    def has_room(self, level: int) -> bool:
+        if level == self.remote_level:
+            return True  # the uploader makes room in the shared tier (it may be full only later)
+        tier = self.tiers[level]
+        return tier.free >= tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
+
+    def is_pinned(self, level: int, key: ChunkKey) -> bool:
+        return self.tiers[level].is_pinned(key)
+
+    def pin(self, level: int, key: ChunkKey) -> bool:
+        return self.tiers[level].pin(key)
+
+    def unpin(self, level: int, key: ChunkKey) -> None:
+        self.tiers[level].unpin(key)
+
+    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
+        """The DRAM slot is handed to a lower tier as it lies (zero-copy for the SSD tier); a
+        chunk read from a lower tier lands straight in the destination's reservation; a chunk
+        for the remote tier is copied out and queued for upload."""
+        source, target = self.tiers[src], self.tiers[dst]
+        if dst == self.remote_level:
+            data = self.host.view(key).clone() if src == 0 else source.get(key)
+            if data is None:
+                return Copied.SOURCE_LOST
+            return Copied.QUEUED if self.upload(key, data) else Copied.FAILED
+        try:
+            if src == 0:
+                stored = target.put(key, self.host.view(key), self.layout.layer_bytes)
+                return Copied.OK if stored else Copied.FAILED
+            res = target.reserve(key, source.entry_bytes(key) or 0, self.layout.layer_bytes)
+        except (TierFullError, ValueError) as exc:
+            log.warning("copying chunk %s from %s to %s failed: %s", key.hex(), source.name,
+                        target.name, exc)
+            return Copied.FAILED
+        ok = source.get(key, out=res.buffer) is not None
+        stored = target.commit(res, ok=ok)
+        if not ok:
+            return Copied.SOURCE_LOST
+        return Copied.OK if stored else Copied.FAILED
+
+    def upload(self, key: ChunkKey, data: torch.Tensor,
+               after: Callable[[], None] | None = None) -> bool:
+        """Queue ``data`` for the remote tier; ``after`` runs once the upload is over."""
+        assert self.uploader is not None
+        notify = self._uploaded
+
+        def done(ok: bool) -> None:
+            if after is not None:
+                after()
+            if notify is not None:
+                notify(key, ok)
+
+        return self.uploader.submit(key, data, done)
+
+    def drop(self, key: ChunkKey, level: int) -> None:
+        self.tiers[level].delete(key)

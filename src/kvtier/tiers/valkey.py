@@ -1,0 +1,335 @@
+"""Remote tier on Valkey (standalone or cluster), shared by every kvtier process that uses the
+same servers and ``prefix``.
+
+A chunk is two keys in one slot, ``{p:h}:h`` (its header, :mod:`kvtier.tiers.remote` format) and
+``{p:h}:d`` (its payload), ``p`` being the prefix and ``h`` the chunk key in hex: chunks spread
+over a cluster, a write sends the caller's bytes without copying them behind a header, and a
+ranged read fetches header and range atomically (one script). The index, the budget and the
+reservations are keys under the ``{p}`` hash tag, changed only by the scripts of
+:mod:`kvtier.tiers.valkey_lua`, atomically also in a cluster: ``keys`` (oldest first),
+``contains``, ``entry_bytes``, ``used`` and the capacity budget are the same for all processes.
+
+Lifecycle: ``reserve`` runs a script that refuses a key already committed or being written and
+charges the budget (TierFullError when it does not fit); the buffer it returns is local.
+``commit`` writes header and payload, then a script publishes the chunk in the index; an entry
+is invisible until then. ``put`` on a standalone server does all of it in one round trip.
+Reservations expire after ``reservation_ttl_s`` (a writer that died); the next writer returns
+their charge and deletes what they wrote. Deletes remove the bytes first, then the index entry:
+a crash in between leaves an index entry whose read misses and drops it. Pins are per process:
+another process can delete a chunk pinned here (a read in flight keeps the verified bytes it
+fetched).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import torch
+from valkey.exceptions import NoScriptError
+
+from kvtier.core.keys import ChunkKey
+from kvtier.tiers import valkey_lua as lua
+from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
+from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier
+from kvtier.tiers.remote_config import ValkeyTierConfig
+from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, overlapped
+
+__all__ = ["ValkeyTier", "ValkeyTierConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class ValkeyTier(RemoteTier):
+    """Chunks in Valkey; see the module docstring for the layout and what is shared."""
+
+    name = "valkey"
+
+    def __init__(self, config: ValkeyTierConfig) -> None:
+        super().__init__()
+        self.config = config
+        p = config.prefix
+        self._idx, self._meta, self._used_key = f"{{{p}}}:idx", f"{{{p}}}:meta", f"{{{p}}}:used"
+        self._seq, self._resv, self._resvb = f"{{{p}}}:seq", f"{{{p}}}:resv", f"{{{p}}}:resvb"
+        self._conn = ValkeyConnection(config, self.stats)
+        self.health = self._conn.health
+        self._staging = BufferPool()
+        self._headers: dict[ChunkKey, bytes] = {}  # recent headers, for one-trip ranged reads
+        self._last_used = 0
+
+    def _data_keys(self, key: ChunkKey) -> tuple[str, str]:
+        tag = f"{{{self.config.prefix}:{key.hex()}}}"
+        return f"{tag}:h", f"{tag}:d"
+
+    # -- size ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity_bytes
+
+    @property
+    def used(self) -> int:
+        """Bytes charged by all processes sharing the prefix (the last known figure when down)."""
+        try:
+            self._last_used = int(self._conn.run("used", lambda c: c.get(self._used_key)) or 0)
+        except Unavailable:
+            pass
+        return self._last_used
+
+    # -- writes -------------------------------------------------------------------------------
+    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[ChunkKey, int, str]:
+        key, seg, charge = self._check_request(key, nbytes, segment_bytes)
+        token = secrets.token_hex(8)
+        keys = [self._used_key, self._resv, self._resvb, self._meta]
+        args = [key.hex(), charge, self.capacity, int(self.config.reservation_ttl_s * 1000), token]
+        self._admitted(key, self._run_or_full("reserve", lambda c: lua.run(c, lua.RESERVE, keys, args)))
+        return key, seg, token
+
+    def _run_or_full(self, what: str, fn):
+        try:
+            return self._conn.run(what, fn)
+        except Unavailable:
+            raise TierFullError("valkey: server unavailable") from None
+
+    def _admitted(self, key: ChunkKey, reply: list) -> None:
+        """Act on the reply of a script that admits a write (see valkey_lua): clean up after the
+        dead writers it swept, raise what reserve raises if it refused."""
+        code, swept, *rest = reply
+        if swept:
+            self._forget_writes([ChunkKey(bytes.fromhex(h.decode())) for h in swept])
+        if code == -1:
+            raise ValueError(f"valkey: chunk {key.hex()} is already stored or being written")
+        if code == -2:
+            raise TierFullError(f"valkey: {int(rest[0])} of {self.capacity} bytes in use")
+
+    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+        key, seg, token = self._take(key, nbytes, segment_bytes)
+        staging = self._staging.take(nbytes)
+        return Reservation(key, nbytes, seg, staging[:nbytes], (token, staging))
+
+    def commit(self, reservation: Reservation, ok: bool = True) -> bool:
+        res = reservation
+        if res.slot is None:
+            raise ValueError(f"valkey: no open reservation for chunk {res.key.hex()}")
+        (token, staging), res.slot = res.slot, None  # type: ignore[misc]
+        try:
+            if not ok:
+                self._release(res.key, token)
+                return False
+            return self._write(res.key, res.buffer, res.segment_bytes, token)
+        finally:
+            del res.buffer
+            self._staging.give(staging)
+
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+        """Like :meth:`Tier.put`, sending CPU data from where it lies (no staging copy)."""
+        src = as_byte_tensor(data)
+        if src.device.type != "cpu" or src.numel() == 0:
+            return super().put(key, src, segment_bytes)
+        if not self.config.cluster:
+            return self._put_at_once(key, src, segment_bytes)
+        key, seg, token = self._take(key, src.numel(), segment_bytes)
+        return self._write(key, src, seg, token)
+
+    def _put_at_once(self, key: ChunkKey, src: torch.Tensor, segment_bytes: int | None) -> bool:
+        """A standalone put in one round trip: the payload goes to a temporary key that expires
+        while the header is computed, then a script admits the chunk (as reserve does), renames
+        the payload into place and stores the header, or drops the payload. Costs an upload when
+        refused (the tier is full: the caller evicts anyway)."""
+        key, seg, charge = self._check_request(key, src.numel(), segment_bytes)
+        view = memoryview(src.numpy()).cast("B")
+        hkey, dkey = self._data_keys(key)
+        tmp = f"{dkey}.{secrets.token_hex(8)}"
+        keys = [self._used_key, self._resv, self._resvb, self._meta, self._idx, self._seq, tmp, hkey, dkey]
+        header: list[ObjectHeader] = []
+
+        def script_call() -> tuple[object, ...]:  # runs while the server takes the payload
+            header.append(ObjectHeader.for_payload(key, view, seg))
+            args = (key.hex(), charge, self.capacity, len(view), header[0].encode())
+            return ("EVALSHA", lua.sha(lua.PUT), len(keys), *keys, *args)
+
+        def upload(c) -> list:
+            ttl = int(self.config.reservation_ttl_s * 1000)
+            stored, reply = overlapped(c, ("SET", tmp, view, "PX", ttl), script_call)
+            if isinstance(reply, NoScriptError) and not isinstance(stored, Exception):
+                reply = lua.run(c, lua.PUT, keys, list(script_call()[3 + len(keys):]))
+            for r in (stored, reply):
+                if isinstance(r, Exception):  # e.g. out of memory
+                    c.delete(tmp)
+                    raise r
+            return reply  # type: ignore[return-value]
+
+        reply = self._run_or_full("put", upload)
+        self._admitted(key, reply)
+        if reply[0] != 1:
+            self.stats.errors += 1
+            log.warning("valkey: upload of chunk %s vanished before it was published", key.hex())
+            return False
+        self._remember_header(key, header[0].encode())
+        self.stats.writes += 1
+        self.stats.bytes_written += len(view)
+        return True
+
+    def _write(self, key: ChunkKey, payload: torch.Tensor, seg: int, token: str) -> bool:
+        """Upload and publish a reserved chunk; False (counted, reservation released) on failure."""
+        view = memoryview(payload.numpy()).cast("B")
+        header = ObjectHeader.for_payload(key, view, seg)
+        raw = header.encode()
+        hkey, dkey = self._data_keys(key)
+        keys = [self._resv, self._resvb, self._idx, self._meta, self._seq]
+        args = [key.hex(), token, header.nbytes]
+
+        def upload(c) -> int:
+            if self.config.cluster:  # different slots: the bytes must land before the index says so
+                c.mset({hkey: raw, dkey: view})
+                return lua.run(c, lua.PUBLISH, keys, args)
+            pipe = c.pipeline(transaction=False)  # one connection, commands run in order
+            pipe.mset({hkey: raw, dkey: view})
+            pipe.evalsha(lua.sha(lua.PUBLISH), len(keys), *keys, *args)
+            stored, published = pipe.execute(raise_on_error=False)
+            if isinstance(published, NoScriptError) and not isinstance(stored, Exception):
+                published = lua.run(c, lua.PUBLISH, keys, args)
+            if isinstance(stored, Exception):  # e.g. out of memory: take the entry back out
+                if published == 1:
+                    lua.run(c, lua.UNINDEX, [self._idx, self._meta, self._used_key], [key.hex()])
+                raise stored
+            if isinstance(published, Exception):
+                raise published
+            return published
+
+        try:
+            published = self._conn.run("write", upload)
+        except Unavailable:
+            published = None
+        if published != 1:
+            if published == 0:
+                self.stats.errors += 1
+                log.warning("valkey: reservation of chunk %s expired before its commit", key.hex())
+            self._forget_writes([key])
+            self._release(key, token)
+            return False
+        self._remember_header(key, raw)
+        self.stats.writes += 1
+        self.stats.bytes_written += header.nbytes
+        return True
+
+    def _release(self, key: ChunkKey, token: str) -> None:
+        keys = [self._resv, self._resvb, self._used_key]
+        try:
+            self._conn.run("release", lambda c: lua.run(c, lua.RELEASE, keys, [key.hex(), token]))
+        except Unavailable:
+            pass  # the reservation expires by itself
+
+    def _forget_writes(self, keys: list[ChunkKey]) -> None:
+        """Delete the bytes of unpublished writes (best effort)."""
+        def drop(c) -> None:
+            for k in keys:
+                c.delete(*self._data_keys(k))
+
+        try:
+            self._conn.run("cleanup", drop)
+        except Unavailable:
+            pass
+
+    # -- reads --------------------------------------------------------------------------------
+    def get(
+        self,
+        key: ChunkKey,
+        out: torch.Tensor | None = None,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> torch.Tensor | None:
+        key = check_key(key)
+        hkey, dkey = self._data_keys(key)
+        cached = self._headers.get(key)
+        whole = cached is None or (offset == 0 and length is None)
+        try:
+            if whole:
+                raw, data = self._conn.run("get", lambda c: c.mget(hkey, dkey))
+            else:
+                header = ObjectHeader.decode(cached)
+                length = self._check_range(header.nbytes, offset, length, out)
+                _, _, lo, hi = header.covering(offset, length)
+                args = [lo, hi - 1] if hi > lo else [1, 0]
+                raw, data = self._conn.run("get", lambda c: lua.run(c, lua.READ_RANGE, [hkey, dkey], args))
+                if raw != cached:  # rewritten since: read it whole
+                    self._headers.pop(key, None)
+                    return self.get(key, out, offset, length)
+        except Unavailable:
+            self.stats.misses += 1
+            return None
+        if raw is None or data is None:
+            return self._missing(key)
+        try:
+            header = ObjectHeader.decode(raw, key)
+        except CorruptObject as exc:
+            return self._damaged(key, str(exc))
+        length = self._check_range(header.nbytes, offset, length, out)
+        _, _, want_lo, want_hi = header.covering(offset, length)
+        if whole and len(data) != header.nbytes:
+            return self._damaged(key, f"payload of {len(data)} bytes, header says {header.nbytes}")
+        if whole:
+            data = memoryview(data)[want_lo:want_hi]
+        elif len(data) != want_hi - want_lo:
+            return self._damaged(key, "payload shorter than its header says")
+        self._remember_header(key, raw)
+        return self._deliver(key, header, memoryview(data), want_lo, offset, length, out)
+
+    def _remember_header(self, key: ChunkKey, raw: bytes) -> None:
+        with self._lock:
+            if len(self._headers) >= 4096:
+                self._headers.pop(next(iter(self._headers)), None)
+            self._headers[key] = raw
+
+    def _missing(self, key: ChunkKey) -> None:
+        """No bytes: a plain miss, or (if the index still lists the chunk) a lost object."""
+        self._headers.pop(key, None)
+        keys = [self._idx, self._meta, self._used_key]
+        try:
+            was_indexed = self._conn.run("get", lambda c: lua.run(c, lua.UNINDEX, keys, [key.hex()]))
+        except Unavailable:
+            was_indexed = 0
+        if was_indexed:
+            return self._damaged(key, "object missing from the server", corrupt=False)
+        self.stats.misses += 1
+        return None
+
+    def contains(self, key: ChunkKey) -> bool:
+        try:
+            return self._conn.run("contains", lambda c: c.hexists(self._meta, key.hex())) is True
+        except Unavailable:
+            return False
+
+    def entry_bytes(self, key: ChunkKey) -> int | None:
+        try:
+            v = self._conn.run("entry_bytes", lambda c: c.hget(self._meta, key.hex()))
+        except Unavailable:
+            return None
+        return None if v is None else int(v.split()[0])
+
+    def keys(self) -> list[ChunkKey]:
+        try:
+            members = self._conn.run("keys", lambda c: c.zrange(self._idx, 0, -1))
+        except Unavailable:
+            return []
+        return [ChunkKey(bytes.fromhex(m.decode())) for m in members]
+
+    # -- deletes ------------------------------------------------------------------------------
+    def _delete_unpinned(self, key: ChunkKey) -> bool:
+        self._headers.pop(key, None)
+        keys = [self._idx, self._meta, self._used_key]
+
+        def delete(c) -> int:
+            c.delete(*self._data_keys(key))  # bytes first: a crash leaves an index entry that misses
+            return lua.run(c, lua.UNINDEX, keys, [key.hex()])
+
+        try:
+            return self._conn.run("delete", delete) == 1
+        except Unavailable:
+            return False
+
+    def _drop_damaged(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._delete_unpinned(key)
+
+    def close(self) -> None:
+        self._conn.close()

@@ -1,0 +1,114 @@
+"""The Valkey client of :mod:`kvtier.tiers.valkey`, with the timeouts and reconnection the remote
+tiers promise."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import valkey
+from valkey.cluster import ClusterNode, ValkeyCluster
+from valkey.exceptions import ClusterDownError, ResponseError, TryAgainError, ValkeyError
+
+from kvtier.tiers.base import TierStats
+from kvtier.tiers.remote import Health
+from kvtier.tiers.remote_config import ValkeyTierConfig, parse_address
+
+log = logging.getLogger(__name__)
+
+Client = valkey.Valkey | ValkeyCluster
+T = TypeVar("T")
+
+
+class Unavailable(Exception):
+    """The call did not reach a server answer (already counted and logged)."""
+
+
+def overlapped(client: valkey.Valkey, first: tuple[object, ...], then: Callable[[], tuple[object, ...]]
+               ) -> tuple[object, object]:
+    """Send command ``first``, build the second with ``then()`` while the server takes the first
+    (a big upload, say), send it and read both replies, a server error as its exception object.
+    Standalone clients only; a broken connection is dropped, not reused."""
+    pool = client.connection_pool
+    conn = pool.get_connection(str(first[0]))
+    try:
+        conn.send_command(*first)
+        conn.send_command(*then())
+        replies: list[object] = []
+        for _ in range(2):
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies[0], replies[1]
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+class ValkeyConnection:
+    """A valkey-py client (standalone or cluster) made on first use and again after failures.
+
+    Every socket operation waits at most ``timeout_s`` and valkey-py's own retries are off, so a
+    call fails within about one timeout; a cluster client that loses a node refreshes its slot
+    map once, which can add one connect timeout per node it asks.
+    Health is per tier, not per cluster node: after one node fails, calls fail fast for
+    ``reconnect_interval_s``, also those for the other nodes.
+    """
+
+    def __init__(self, config: ValkeyTierConfig, stats: TierStats) -> None:
+        self.config = config
+        self.health = Health(f"valkey {','.join(config.addresses)}", config.reconnect_interval_s, stats)
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> Client:
+        c = self.config
+        common = {"username": c.username, "password": c.password, "socket_timeout": c.timeout_s,
+                  "socket_connect_timeout": c.timeout_s, "ssl": c.ssl, "ssl_ca_certs": c.ssl_ca_file,
+                  "ssl_certfile": c.ssl_cert_file, "ssl_keyfile": c.ssl_key_file}
+        if c.cluster:
+            nodes = [ClusterNode(*parse_address(a, "addresses")) for a in c.addresses]
+            return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **common)
+        host, port = parse_address(c.addresses[0], "addresses")
+        return valkey.Valkey(host=host, port=port, **common)
+
+    @property
+    def client(self) -> Client | None:
+        """The client if one was made (for tests that ask where a key lives)."""
+        return self._client
+
+    def run(self, what: str, fn: Callable[[Client], T]) -> T:
+        """``fn(client)``, or raise Unavailable (tier down, or this call failed; counted, logged)."""
+        if not self.health.ready():
+            raise Unavailable(what)
+        try:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+                client = self._client
+            result = fn(client)
+        except (ClusterDownError, TryAgainError) as exc:  # a cluster that is reconfiguring
+            self.health.failed(what, exc)
+            raise Unavailable(what) from exc
+        except ResponseError as exc:  # the server answered: an error of this call only (OOM...)
+            self.health.refused(what, exc)
+            raise Unavailable(what) from exc
+        except (ValkeyError, OSError) as exc:  # unreachable, timed out, refused credentials
+            self.health.failed(what, exc)
+            raise Unavailable(what) from exc
+        self.health.succeeded()
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # noqa: BLE001 - closing a broken connection
+                log.debug("valkey: close: %s", exc)

@@ -1,0 +1,197 @@
+"""Stores on two "machines" sharing one remote tier, told as stories: write-through and
+write-back, cross-instance hits, one copy of a shared prefix, tenants, and the remote server
+down, killed, stalled or corrupting bytes. Real servers (Valkey, Mooncake) on loopback."""
+
+import time
+
+import pytest
+import torch
+
+from kvtier import HostTierConfig, KVStore, StoreConfig
+from kvtier.store import RemoteConfig
+from kvtier.tiers.disk import DiskTierConfig, header_len_for
+from kvtier.tiers.mooncake import MooncakeTierConfig
+from kvtier.tiers.valkey import ValkeyTierConfig
+from tests.remote_servers import (  # noqa: F401 (fixtures)
+    mooncake_shared,
+    unique_prefix,
+    valkey_private,
+    valkey_standalone,
+    wait_until,
+)
+
+from .conftest import make_kv
+
+C = 16
+
+
+def valkey_remote(address: str, prefix: str, write: str = "through", **kw) -> RemoteConfig:
+    kw.setdefault("timeout_s", 0.5)
+    kw.setdefault("reconnect_interval_s", 0.2)
+    return RemoteConfig(ValkeyTierConfig((address,), 64 << 20, prefix=prefix, **kw), write=write)
+
+
+def store_on(layout, remote: RemoteConfig, host_chunks: int = 8, disk_path=None, **kw) -> KVStore:
+    disk = None
+    if disk_path is not None:
+        disk = DiskTierConfig(str(disk_path), 16 * (header_len_for(layout.num_layers) + layout.chunk_bytes))
+    return KVStore(StoreConfig(model="tiny@1", layout=layout, disk=disk, remote=remote,
+                               host=HostTierConfig(host_chunks * layout.chunk_bytes), **kw))
+
+
+def assert_same(loaded, kv, tokens):
+    for got, want in zip(loaded.kv, kv):
+        for g, w in zip(got, want):
+            assert torch.equal(g[:, :tokens], w[:, :tokens])
+
+
+@pytest.fixture(params=["valkey", "mooncake"])
+def remote(request, tmp_path):
+    """A fresh namespace on a shared server of each backend: a factory of RemoteConfigs."""
+    prefix = unique_prefix()
+    if request.param == "valkey":
+        server = request.getfixturevalue("valkey_standalone")
+        return lambda write="through": valkey_remote(server.address, prefix, write)
+    servers = request.getfixturevalue("mooncake_shared")
+    return lambda write="through": RemoteConfig(
+        MooncakeTierConfig(servers.master_address, 64 << 20, prefix=prefix), write=write)
+
+
+def test_turn_one_on_machine_a_turn_two_on_machine_b_hits_the_remote_tier(layout, tmp_path, remote):
+    turn1 = list(range(3 * C))
+    kv = make_kv(layout, 3 * C, seed=5)
+    with store_on(layout, remote(), disk_path=tmp_path / "a") as a:
+        assert a.save(turn1, kv).stored == 3
+        assert a.flush(timeout=10)
+        assert a.snapshot()["uploads"]["uploaded"] == 3
+    turn2 = turn1 + list(range(900, 900 + C))
+    with store_on(layout, remote(), disk_path=tmp_path / "b") as b:
+        hit = b.lookup(turn2)
+        remote_name = b.remote.name
+        assert hit.hit_tokens == 3 * C and hit.tiers == [remote_name] * 3
+        loaded = b.load(hit)
+        assert loaded.tokens == 3 * C and b.snapshot()["promotions"] == 3  # into B's DRAM
+        assert_same(loaded, kv, 3 * C)
+        assert b.lookup(turn2).tiers == ["host"] * 3
+
+
+def test_a_prefix_shared_by_many_sessions_is_stored_once_remotely(layout, valkey_standalone):
+    prefix = unique_prefix()
+    system = list(range(2 * C))
+    stores = [store_on(layout, valkey_remote(valkey_standalone.address, prefix)) for _ in range(3)]
+    try:
+        for i, store in enumerate(stores):
+            tokens = system + list(range(1000 * (i + 1), 1000 * (i + 1) + C))
+            store.lookup(tokens)
+            store.save(tokens, make_kv(layout, 3 * C, seed=0))
+            store.flush(timeout=10)
+        keys = stores[0].remote.keys()
+        assert len(keys) == 2 + 3  # the shared 2 chunks once, plus each session's own chunk
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_write_back_uploads_only_what_leaves_the_local_tiers(layout, valkey_standalone):
+    prefix = unique_prefix()
+    tokens = list(range(4 * C))
+    kv = make_kv(layout, 4 * C, seed=2)
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix, write="back"),
+                  host_chunks=2) as a:
+        a.save(tokens[: 2 * C], [tuple(t[:, : 2 * C] for t in p) for p in kv])
+        assert a.flush(timeout=10) and a.remote.keys() == []  # still in DRAM: nothing uploaded
+        a.save(tokens, kv)  # DRAM holds 2: the first two chunks go down to the remote tier
+        assert a.flush(timeout=10)
+        assert len(a.remote.keys()) == 2
+        hit = a.lookup(tokens)
+        assert hit.tiers == [a.remote.name] * 2 + ["host"] * 2
+        assert_same(a.load(hit, promote=False), kv, 4 * C)
+
+
+def test_tenants_never_see_each_others_chunks_and_a_shared_salt_shares(layout, valkey_standalone):
+    prefix = unique_prefix()
+    tokens = list(range(2 * C))
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix), tenant="acme") as a:
+        a.save(tokens, make_kv(layout, 2 * C))
+        a.flush(timeout=10)
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix), tenant="globex") as b:
+        assert b.lookup(tokens).hit_tokens == 0
+        assert b.lookup(tokens, tenant="acme").hit_tokens == 2 * C  # a salt shared on purpose
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix), tenant="acme") as c:
+        assert c.lookup(tokens).hit_tokens == 2 * C
+
+
+def test_remote_down_at_start_then_back(layout, tmp_path):
+    from kvtier.bench.servers import ValkeyServer, free_port
+
+    port = free_port()
+    tokens = list(range(2 * C))
+    kv = make_kv(layout, 2 * C)
+    with store_on(layout, valkey_remote(f"127.0.0.1:{port}", unique_prefix())) as a:
+        t0 = time.monotonic()
+        assert a.save(tokens, kv).stored == 2  # served locally
+        assert a.flush(timeout=10)
+        hit = a.lookup(tokens + list(range(500, 500 + C)))
+        assert hit.hit_tokens == 2 * C and hit.tiers == ["host"] * 2
+        assert time.monotonic() - t0 < 5
+        snap = a.snapshot()
+        assert snap["uploads"]["failed"] == 2 and snap["tiers"][a.remote.name]["io"]["errors"] >= 1
+        server = ValkeyServer(tmp_path / "late", port=port).start()
+        try:
+            assert wait_until(lambda: save_new_and_uploaded(a, layout), timeout_s=10)
+        finally:
+            server.stop()
+
+
+def save_new_and_uploaded(store: KVStore, layout) -> bool:
+    """Save a chunk never seen before; whether an upload has succeeded by now."""
+    first = int(time.monotonic_ns() % 10**9) * 100
+    store.save(list(range(first, first + C)), make_kv(layout, C))
+    store.flush(10)
+    return store.snapshot()["uploads"]["uploaded"] >= 1
+
+
+def test_remote_killed_stalled_or_corrupting_never_breaks_a_request(layout, valkey_private):
+    valkey_private.start()
+    prefix = unique_prefix()
+    tokens = list(range(3 * C))
+    kv = make_kv(layout, 3 * C, seed=9)
+    with store_on(layout, valkey_remote(valkey_private.address, prefix)) as a:
+        a.save(tokens, kv)
+        assert a.flush(timeout=10)
+    cfg = valkey_remote(valkey_private.address, prefix)
+    # corrupted bytes: the damaged chunk and what follows it are recomputed, never returned
+    raw = valkey_private.client()
+    with store_on(layout, cfg) as b:
+        keys = b.lookup(tokens).keys
+        tag = f"{{{prefix}:{keys[1].hex()}}}"
+        raw.setrange(f"{tag}:d", 100, b"\xff\xfe\xfd")
+        loaded = b.load(b.lookup(tokens))
+        assert loaded.tokens == C  # chunk 0 only
+        assert_same(loaded, kv, C)
+        assert b.snapshot()["tiers"][b.remote.name]["io"]["corrupt"] == 1
+    # stalled past the timeout: lookups answer (misses) within about the timeout
+    with store_on(layout, cfg) as c:
+        valkey_private.process.pause()
+        try:
+            t0 = time.monotonic()
+            assert c.lookup(tokens).hit_tokens == 0
+            assert time.monotonic() - t0 < 3
+        finally:
+            valkey_private.process.resume()
+    # killed: misses, then back on the same port (empty: it kept nothing), and working again
+    with store_on(layout, cfg) as d:
+        valkey_private.process.kill()
+        assert d.lookup(tokens).hit_tokens == 0
+        assert d.save(tokens, kv).stored == 3  # served locally
+        valkey_private.restart()
+        assert wait_until(lambda: save_new_and_uploaded(d, layout), timeout_s=10)
+
+
+def test_remote_config_errors_name_the_problem(layout):
+    with pytest.raises(ValueError, match="write"):
+        RemoteConfig(ValkeyTierConfig(("127.0.0.1:1",), 1 << 20), write="sometimes")
+    with pytest.raises(TypeError, match="ValkeyTierConfig or MooncakeTierConfig"):
+        RemoteConfig({"address": "127.0.0.1:1"})
+    with pytest.raises(TypeError, match="RemoteConfig"):
+        StoreConfig(model="m", layout=layout, host=HostTierConfig(1 << 20), remote="valkey://x")

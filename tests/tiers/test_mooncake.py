@@ -1,0 +1,156 @@
+"""The Mooncake tier against a real mooncake_master and a mooncake_client holding the pool's
+memory: the tier contract, sharing between processes, then the faults (master down at start,
+killed, stalled, corrupted bytes)."""
+
+import time
+
+import pytest
+import torch
+
+from kvtier.tiers.base import TierFullError
+from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig
+from kvtier.tiers.remote import header_len
+from tests.remote_servers import unique_prefix, wait_until
+
+from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
+
+PER_ENTRY = header_len(ENTRY // SEGMENT) + ENTRY
+
+
+def open_tier(master: str, capacity=1 << 30, **kw) -> MooncakeTier:
+    kw.setdefault("prefix", unique_prefix())
+    return MooncakeTier(MooncakeTierConfig(master, capacity, **kw))
+
+
+class TestMooncakeContract(TierContract):
+    @pytest.fixture(autouse=True)
+    def _servers(self, mooncake_shared):
+        self.master = mooncake_shared.master_address
+
+    def make_tier(self, capacity_entries: int) -> MooncakeTier:
+        return open_tier(self.master, capacity_entries * PER_ENTRY)
+
+
+def test_two_processes_see_each_others_chunks(mooncake_shared):
+    prefix = unique_prefix()
+    a = open_tier(mooncake_shared.master_address, prefix=prefix)
+    b = open_tier(mooncake_shared.master_address, prefix=prefix)
+    assert a.put(key(1), data(1), SEGMENT)
+    assert b.contains(key(1)) and b.entry_bytes(key(1)) == ENTRY
+    assert torch.equal(b.get(key(1), offset=100, length=5000), data(1)[100:5100])
+    assert b.keys() == [] and b.used == 0  # the list and the budget are per process
+    res = b.reserve(key(2), ENTRY, SEGMENT)  # Mooncake's put session: invisible, exclusive
+    assert not a.contains(key(2))
+    with pytest.raises(ValueError, match="being written"):
+        a.put(key(2), data(2), SEGMENT)
+    res.buffer.copy_(data(2))
+    assert b.commit(res) and torch.equal(a.get(key(2)), data(2))
+    assert b.delete(key(1)) and not a.contains(key(1))
+    assert a.get(key(1)) is None and a.keys() == [] and a.used == 0  # a dropped what it lost
+    a.close()
+    b.close()
+
+
+def test_chunks_outlive_the_process_that_wrote_them(mooncake_shared):
+    prefix = unique_prefix()
+    with open_tier(mooncake_shared.master_address, prefix=prefix) as writer:
+        for i in range(3):
+            assert writer.put(key(i), data(i, 1 << 20), 1 << 18)
+    with open_tier(mooncake_shared.master_address, prefix=prefix) as reader:
+        for i in range(3):
+            assert torch.equal(reader.get(key(i)), data(i, 1 << 20))
+
+
+def test_corrupted_bytes_are_a_counted_miss_never_wrong_bytes(mooncake_shared, caplog):
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_shared.master_address) == 0
+    with open_tier(mooncake_shared.master_address) as tier:
+        for i in range(3):
+            tier.put(key(i), data(i), SEGMENT)
+        name = f"{tier.config.prefix}:{key(0).hex()}"
+        obj = bytearray(raw.get(name))
+        obj[header_len(4) + 2 * SEGMENT + 17] ^= 0xFF  # payload damage, segment 2
+        assert raw.upsert(name, bytes(obj)) == 0
+        assert torch.equal(tier.get(key(0), offset=0, length=SEGMENT), data(0)[:SEGMENT])
+        assert tier.get(key(0)) is None
+        assert "checksum mismatch in segment 2" in caplog.text
+        assert tier.stats.corrupt == 1 and tier.stats.errors == 1
+        assert not tier.contains(key(0)) and tier.keys() == [key(1), key(2)]
+        name1 = f"{tier.config.prefix}:{key(1).hex()}"
+        assert raw.upsert(name1, b"KVTR garbage") == 0  # garbled header
+        assert tier.get(key(1)) is None and tier.stats.corrupt == 2
+        assert torch.equal(tier.get(key(2)), data(2))  # nothing else lost
+    raw.close()
+
+
+def test_master_down_at_start_then_up(mooncake_private):
+    t0 = time.monotonic()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    assert time.monotonic() - t0 < 1.5  # construction does not wait for the master
+    assert tier.get(key(1)) is None and not tier.contains(key(1))
+    with pytest.raises(TierFullError, match="unavailable"):
+        tier.put(key(1), data(1), SEGMENT)
+    assert tier.stats.misses == 1 and tier.stats.errors >= 1
+    mooncake_private.start()
+    wait_until(lambda: _try_put(tier, 1), timeout_s=30)
+    assert torch.equal(tier.get(key(1)), data(1))
+    tier.close()
+
+
+def test_master_killed_mid_run_then_restarted(mooncake_private):
+    mooncake_private.start()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    assert tier.put(key(1), data(1), SEGMENT)
+    mooncake_private.master.kill()
+    t0 = time.monotonic()
+    assert tier.get(key(1)) is None
+    assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
+    mooncake_private.master.start()  # same port; the objects it knew are gone
+    wait_until(lambda: _try_put(tier, 2), timeout_s=30)
+    assert torch.equal(tier.get(key(2)), data(2))
+    assert tier.get(key(1)) is None and tier.keys() == [key(2)]
+    tier.close()
+
+
+def test_a_stalled_master_times_out_then_recovers(mooncake_private):
+    mooncake_private.start()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    assert tier.put(key(1), data(1), SEGMENT)
+    mooncake_private.master.pause()
+    try:
+        t0 = time.monotonic()
+        assert tier.get(key(1)) is None
+        assert not tier.contains(key(1))  # down: fails fast, no second wait
+        assert time.monotonic() - t0 < 1.2 and tier.stats.errors >= 1
+    finally:
+        mooncake_private.master.resume()
+    assert torch.equal(wait_until(lambda: tier.get(key(1)), timeout_s=30), data(1))
+    tier.close()
+
+
+def _try_put(tier: MooncakeTier, i: int) -> bool:
+    try:
+        return tier.put(key(i), data(i), SEGMENT)
+    except TierFullError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"master_address": "nohost"}, "master_address"),
+        ({"capacity_bytes": -1}, "capacity_bytes"),
+        ({"protocol": "udp"}, "protocol"),
+        ({"metadata_server": ""}, "metadata_server"),
+        ({"global_segment_bytes": -5}, "global_segment_bytes"),
+        ({"prefix": "a b"}, "prefix"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"workers": 0}, "workers"),
+    ],
+)
+def test_an_invalid_config_raises_naming_the_field(kwargs, field):
+    base = {"master_address": "127.0.0.1:50051", "capacity_bytes": 1 << 20}
+    with pytest.raises(ValueError, match=field):
+        MooncakeTierConfig(**{**base, **kwargs})
