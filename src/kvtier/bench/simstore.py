@@ -114,10 +114,10 @@ class SimStore:
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
         return self.placement.prefetch(keys)
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
-        return self.placement.lookup(keys)
+    def lookup(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> PrefixHit:
+        return self.placement.lookup(keys, cost_s)
 
-    def load(self, hit: PrefixHit) -> list[int]:
+    def load(self, hit: PrefixHit, cost_s: float | None = None) -> list[int]:
         """Read ``hit``'s chunks in order, promoting as the store does; the level each was read
         from. Stops early if making room for a promotion dropped a later chunk of the hit."""
         place, sources = self.placement, []
@@ -130,11 +130,12 @@ class SimStore:
                 self.mover.reads[level] += 1  # read in place: DRAM had no room for it
             self.hits[fastest] += 1
             sources.append(fastest)
-        place.touch(hit.keys[: len(sources)])
+        place.touch(hit.keys[: len(sources)], cost_s)
         return sources
 
-    def save(self, keys: Sequence[ChunkKey]) -> int:
-        """Add the chunks of ``keys`` not held yet to DRAM; how many were added."""
+    def save(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> int:
+        """Add the chunks of ``keys`` not held yet to DRAM; how many were added. ``cost_s``:
+        what a miss on each costs, for parts of typed objects (None: KV chunks)."""
         place, stored = self.placement, 0
         for i, key in enumerate(keys):
             if key in place.index:
@@ -144,5 +145,5 @@ class SimStore:
             self.mover.write(key, 0)
             place.added(key, 0)
             stored += 1
-        place.touch(keys)
+        place.touch(keys, cost_s)
         return stored

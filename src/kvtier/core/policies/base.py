@@ -73,8 +73,11 @@ class EvictionPolicy(ABC):
     def insert(self, key: ChunkKey) -> None: ...
 
     @abstractmethod
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        """``keys`` are one sequence's chunks, in prefix order from the first, just used."""
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+        """``keys`` are one sequence's chunks, in prefix order from the first, just used.
+        ``cost_s``: seconds a miss on each of them costs, when the caller knows (the parts of a
+        typed object declare their object's rebuild time); None for KV chunks, whose cost is
+        the tier context's compute model at their position."""
 
     @abstractmethod
     def remove(self, key: ChunkKey) -> None: ...

@@ -48,8 +48,13 @@ MAX_GHOSTS = 1 << 20
 """Keys remembered (use counts, position) beyond those resident; the oldest are forgotten."""
 
 
-def _class_of(uses: int, tail: int) -> int:
-    return min(uses, MAX_USES) * (MAX_TAIL + 1) + min(tail, MAX_TAIL)
+KV_CLASSES = (MAX_USES + 1) * (MAX_TAIL + 1)
+
+
+def _class_of(uses: int, tail: int, declared: bool = False) -> int:
+    """KV chunks and parts of typed objects (declared costs) are learned apart: an index's
+    last part is not a prompt's partial last chunk."""
+    return min(uses, MAX_USES) * (MAX_TAIL + 1) + min(tail, MAX_TAIL) + KV_CLASSES * declared
 
 
 @dataclass(slots=True)
@@ -58,6 +63,8 @@ class _Meta:
     position: int
     cls: int
     last_epoch: int
+    declared: float | None = None
+    """Saving of a hit declared by the caller (a typed object's part), else from position."""
 
 
 class _ReuseModel:
@@ -70,7 +77,7 @@ class _ReuseModel:
     """
 
     def __init__(self) -> None:
-        size = (MAX_USES + 1) * (MAX_TAIL + 1)
+        size = 2 * KV_CLASSES
         self._seen = [0] * size
         self._reused = [0] * size
 
@@ -121,7 +128,14 @@ class CostPolicy(EvictionPolicy):
         return saving[position]
 
     def _value(self, meta: _Meta) -> float:
-        return self._model.p(meta.cls) * self._saving_at(meta.position) ** SAVING_EXPONENT
+        if meta.declared is not None:
+            return self._model.p(meta.cls) * meta.declared
+        # In seconds like a declared cost; only the growth with position is damped.
+        first = self._saving_at(0)
+        saving = self._saving_at(meta.position)
+        if first <= 0.0:
+            return self._model.p(meta.cls) * saving ** SAVING_EXPONENT
+        return self._model.p(meta.cls) * first * (saving / first) ** SAVING_EXPONENT
 
     def _queue(self, key: ChunkKey, priority: float, position: int) -> None:
         self._resident[key] = priority
@@ -131,18 +145,19 @@ class CostPolicy(EvictionPolicy):
             heapq.heapify(self._heap)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
         if not keys:
             return
+        declared = None if cost_s is None else max(cost_s - self._ctx.chunk_load_s, 0.0)
         if not self._epochs_from_begin:
             self._epoch += 1  # no scheduler: every touch counts as a use
         epoch, metas, model = self._epoch, self._meta, self._model
         last = len(keys) - 1
         for pos, key in enumerate(keys):
-            cls = _class_of(1, last - pos)
+            cls = _class_of(1, last - pos, declared is not None)
             meta = metas.get(key)
             if meta is None:
-                metas[key] = _Meta(1, pos, cls, epoch)
+                metas[key] = _Meta(1, pos, cls, epoch, declared)
                 model.seen(cls)
                 continue
             if meta.last_epoch != epoch:  # a new use
@@ -153,7 +168,9 @@ class CostPolicy(EvictionPolicy):
             else:  # touched again in the same use (lookup, then save): re-classify
                 model.seen(meta.cls, -1)
             meta.position = pos
-            meta.cls = _class_of(meta.uses, last - pos)
+            if declared is not None:
+                meta.declared = declared
+            meta.cls = _class_of(meta.uses, last - pos, meta.declared is not None)
             model.seen(meta.cls)
         while len(metas) > MAX_GHOSTS + len(self._resident):
             metas.popitem(last=False)

@@ -24,7 +24,7 @@ class LRUPolicy(EvictionPolicy):
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
         order = self._order
         for key in reversed(keys):
             if key in order:

@@ -58,7 +58,7 @@ class OptimalPolicy(EvictionPolicy):
     def insert(self, key: ChunkKey) -> None:
         self._push(key)
 
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
         resident, depth = self._resident, self._depth
         for pos, key in enumerate(keys):
             depth[key] = pos
