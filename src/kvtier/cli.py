@@ -129,6 +129,33 @@ def bench_remote(backend: str, as_json: bool, sizes: tuple[int, ...], count: int
     Console().print(table)
 
 
+@bench.command("objects")
+@click.option("--requests", type=click.IntRange(min=1), default=4000, show_default=True,
+              help="Turns of the session workload.")
+@click.option("--budgets", default="0.05,0.1,0.2", show_default=True,
+              help="DRAM budgets as fractions of all distinct slots.")
+@click.option("--steady", is_flag=True, help="A steady mix of kinds instead of shifting phases.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per budget.")
+def bench_objects(requests: int, budgets: str, steady: bool, as_json: bool) -> None:
+    """KV chunks, encoder outputs and index shards under one DRAM budget: recompute time
+    saved by `cost` and `lru` against the best fixed per-kind partition."""
+    from kvtier.bench.objects import ObjectsBenchConfig, format_table, run
+
+    try:
+        fractions = tuple(float(b) for b in budgets.split(","))
+        kw = {"phases": ((1.0, 1.0),)} if steady else {}
+        config = ObjectsBenchConfig(requests=requests, budgets=fractions, **kw)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    results = run(config)
+    if as_json:
+        _emit_json([r.as_dict() for r in results])
+        return
+    click.echo(f"recompute seconds saved of {results[0].possible_s:.0f} possible "
+               f"({'steady mix' if steady else 'shifting mix'}):")
+    click.echo(format_table(results))
+
+
 @bench.command("keys")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--repeats", type=click.IntRange(min=1), default=50, show_default=True)

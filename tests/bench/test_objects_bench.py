@@ -31,3 +31,22 @@ def test_the_mix_shifts_by_phase():
 def test_bad_configs_are_refused(bad):
     with pytest.raises(ValueError):
         ObjectsBenchConfig(**bad)
+
+
+def test_the_cli_prints_the_table_and_json():
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    runner = CliRunner()
+    res = runner.invoke(main, ["bench", "objects", "--requests", "200", "--budgets", "0.1", "--steady"])
+    assert res.exit_code == 0, res.output
+    assert "cost / partition" in res.output and "steady mix" in res.output
+    res = runner.invoke(main, ["bench", "objects", "--requests", "200", "--budgets", "0.1", "--json"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.output)
+    assert {"budget_slots", "saved_s", "ratio_vs_partition", "best_partition"} <= set(row)
+    res = runner.invoke(main, ["bench", "objects", "--budgets", "2"])
+    assert res.exit_code != 0 and "budgets" in res.output
