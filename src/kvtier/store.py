@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -256,9 +256,12 @@ class KVStore:
         return ns
 
     # -- lookup -------------------------------------------------------------------------------
-    def lookup(self, tokens: object, *, tenant: str | None = None) -> LookupResult:
-        """Longest run of cached chunks from the first. Raises TypeError/ValueError on bad tokens."""
-        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens)
+    def lookup(self, tokens: object, *, tenant: str | None = None,
+               extras: Mapping[int, bytes] | None = None) -> LookupResult:
+        """Longest run of cached chunks from the first. Raises TypeError/ValueError on bad tokens.
+        ``extras``: per chunk, what besides tokens determines its KV (image content hashes, see
+        :func:`kvtier.core.keys.image_extras`); give the same to :meth:`save`."""
+        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens, extras)
         return self.lookup_keys(chunks.keys, chunks.num_tokens)
 
     def lookup_keys(self, keys: Sequence[ChunkKey], num_tokens: int | None = None) -> LookupResult:
@@ -403,11 +406,12 @@ class KVStore:
                 self.placement.begin(seq, time.monotonic())
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, tokens: object, kv: Sequence[Sequence[torch.Tensor]], *, tenant: str | None = None) -> SaveResult:
+    def save(self, tokens: object, kv: Sequence[Sequence[torch.Tensor]], *, tenant: str | None = None,
+             extras: Mapping[int, bytes] | None = None) -> SaveResult:
         """Store the full chunks of ``tokens`` not held yet. ``kv[layer]`` is ``(K, V)`` covering
         the first ``T <= len(tokens)`` tokens; chunks beyond ``T`` are not saved."""
         layers, kv_tokens = check_kv(kv, self.layout)
-        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens)
+        chunks = chunk_tokens_of(tokens, self.namespace(tenant), self.layout.chunk_tokens, extras)
         if kv_tokens > chunks.num_tokens:
             raise ValueError(f"kv covers {kv_tokens} tokens but only {chunks.num_tokens} tokens were given")
         keys = chunks.keys[: kv_tokens // self.layout.chunk_tokens]

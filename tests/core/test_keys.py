@@ -108,3 +108,20 @@ def test_bad_chunk_size_and_namespace():
 def test_keys_of_a_prefix_are_a_prefix_of_the_keys(tokens, chunk, cut):
     full = keys(tokens, chunk=chunk)
     assert keys(tokens[:cut], chunk=chunk) == full[: min(cut, len(tokens)) // chunk]
+
+
+def test_images_in_a_chunk_change_its_key_and_every_later_one():
+    from kvtier.core.keys import image_extras
+
+    ns = Namespace("vlm@1", "layout")
+    tokens = list(range(64))  # 4 chunks of 16; an image's placeholders at tokens 20..40
+    plain = chunk_tokens_of(tokens, ns, 16).keys
+    cat = chunk_tokens_of(tokens, ns, 16, image_extras([(20, 40, "cat")], 16)).keys
+    dog = chunk_tokens_of(tokens, ns, 16, image_extras([(20, 40, "dog")], 16)).keys
+    assert cat[0] == dog[0] == plain[0]  # before the image: shared
+    assert all(c != d for c, d in zip(cat[1:], dog[1:]))  # from the image's first chunk on: not
+    assert all(c != p for c, p in zip(cat[1:], plain[1:]))
+    assert cat == chunk_tokens_of(tokens, ns, 16, image_extras([(20, 40, "cat")], 16)).keys
+    assert image_extras([(20, 40, "cat")], 16) == {1: b"cat", 2: b"cat"}
+    with pytest.raises(ValueError, match="start < end"):
+        image_extras([(5, 5, "x")], 16)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import array
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -121,8 +121,27 @@ class TokenChunks:
         return len(self.keys) * self.chunk_tokens
 
 
-def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int) -> TokenChunks:
-    """Cut ``tokens`` into full chunks and compute their chained keys."""
+def image_extras(spans: Sequence[tuple[int, int, str]], chunk_tokens: int) -> dict[int, bytes]:
+    """Extras for :func:`chunk_tokens_of` from image placeholder spans ``(start, end, content
+    hash)`` (token positions, end excluded): each chunk gets the hashes of the images that
+    overlap it, in order."""
+    extras: dict[int, bytes] = {}
+    for start, end, digest in spans:
+        if not 0 <= start < end:
+            raise ValueError(f"an image span needs 0 <= start < end, got ({start}, {end})")
+        for i in range(start // chunk_tokens, (end - 1) // chunk_tokens + 1):
+            extras[i] = extras.get(i, b"") + digest.encode()
+    return extras
+
+
+def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int,
+                    extras: Mapping[int, bytes] | None = None) -> TokenChunks:
+    """Cut ``tokens`` into full chunks and compute their chained keys.
+
+    ``extras[i]``: more bytes that determine chunk ``i``'s KV besides its token ids -- the
+    content hashes of the images whose placeholder tokens lie in it (vLLM's and SGLang's extra
+    keys). Chained, they change every later key too: the same text with another image never
+    shares KV from that chunk on. Chunks without extras hash as they always have."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     arr = to_token_array(tokens)
@@ -135,7 +154,12 @@ def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int) -> 
     parent = ROOT_KEY
     keys: list[ChunkKey] = []
     digest = xxhash.xxh3_128_digest
+    extras = extras or {}
     for i in range(n_full):
-        parent = ChunkKey(digest(b"".join((parent, ns, raw[i * step : (i + 1) * step]))))
+        extra = extras.get(i)
+        parts = (parent, ns, raw[i * step : (i + 1) * step])
+        if extra:
+            parts = (*parts, b"kvtier-extra", len(extra).to_bytes(4, "little"), extra)
+        parent = ChunkKey(digest(b"".join(parts)))
         keys.append(parent)
     return TokenChunks(keys=keys, chunk_tokens=chunk_tokens, num_tokens=int(arr.size))
