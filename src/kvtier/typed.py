@@ -152,7 +152,6 @@ class TypedObjects:
     def _missed(self) -> None:
         with self._lock:
             self.stats.misses += 1
-        return None
 
     def _drop_parts(self, keys: list[ChunkKey]) -> None:
         """Forget the parts of an object that cannot be completed, in every tier."""
