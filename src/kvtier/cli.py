@@ -156,6 +156,45 @@ def bench_objects(requests: int, budgets: str, steady: bool, as_json: bool) -> N
     click.echo(format_table(results))
 
 
+@bench.command("truncation")
+@click.option("--model", default="small", show_default=True, help="tiny, small, or a model directory.")
+@click.option("--context-window", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--user-tokens", type=click.IntRange(min=1), default=None,
+              help="Each earlier question [default: 3/16 of the window].")
+@click.option("--reply-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="The question that overflows the window.")
+@click.option("--steps", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens generated and compared.")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Conversations.")
+@click.option("--timings", type=click.IntRange(min=1), default=5, show_default=True,
+              help="TTFT measurements per way and conversation (median kept).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def bench_truncation(model: str, context_window: int, system_tokens: int, user_tokens: int | None,
+                     reply_tokens: int, new_tokens: int, steps: int, chunk_tokens: int,
+                     repeats: int, timings: int, seed: int, as_json: bool) -> None:
+    """Conversations past the context window: TTFT with re-used, RoPE-shifted KV against a
+    full recompute of the truncated context, and how closely their outputs agree."""
+    from kvtier.bench.truncation import TruncationBenchConfig, format_table, run
+
+    try:
+        config = TruncationBenchConfig(
+            model=model, context_window=context_window, system_tokens=system_tokens,
+            user_tokens=user_tokens, reply_tokens=reply_tokens, new_tokens=new_tokens,
+            steps=steps, chunk_tokens=chunk_tokens, repeats=repeats, timings=timings, seed=seed)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    result = run(config)
+    if as_json:
+        _emit_json(result.as_dict())
+    else:
+        click.echo(format_table(result))
+
+
 @bench.command("keys")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--repeats", type=click.IntRange(min=1), default=50, show_default=True)

