@@ -6,8 +6,9 @@ loopback servers (:mod:`kvtier.bench.servers`) and, per object size, moves ``cou
 - kvtier: ``tier.put(key, src_i, segment_bytes=size // 32)`` (32 checksummed segments, as the
   layers of a chunk) and ``tier.get(key, out=dst_i)``: header, checksums, bookkeeping and
   verification all count against the tier.
-- raw Valkey: valkey-py ``SET name memoryview(src_i)`` and ``GET name`` (a bytes object), with
-  the same client settings as the tier's.
+- raw Valkey: valkey-py ``SET name memoryview(src_i)`` and ``GET name`` copied into ``dst_i``
+  (valkey-py cannot read into a buffer; the tier delivers into ``dst_i`` too, and so does raw
+  Mooncake), with the same client settings as the tier's.
 - raw Mooncake: ``put_from(name, src_i)`` and ``get_into(name, dst_i)``, zero-copy from and into
   buffers registered once up front (the best case of Mooncake's Python API).
 
@@ -142,18 +143,20 @@ class _RawValkey:
                                     socket_connect_timeout=timeout_s)
         self.names = [f"bench:raw:{i}" for i in range(count)]
         self.src = [memoryview(t.numpy()) for t in _tensors(size, count, 2)]
+        self.dst = [memoryview(t.numpy()) for t in _tensors(size, count, 3)]
         self.got: list[bytes | None] = [None] * count
 
     def put(self, i: int) -> None:
         self.client.set(self.names[i], self.src[i])
 
     def get(self, i: int) -> None:
-        self.got[i] = self.client.get(self.names[i])
-        if self.got[i] is None:
+        got = self.got[i] = self.client.get(self.names[i])
+        if got is None:
             raise BenchError(f"valkey raw: get {i} missed")
+        self.dst[i][:] = got
 
     def check(self) -> None:
-        if any(g != s for g, s in zip(self.got, self.src, strict=True)):
+        if any(d != s for d, s in zip(self.dst, self.src, strict=True)):
             raise BenchError("valkey raw: read back different bytes")
 
     def clear(self) -> None:
