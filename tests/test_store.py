@@ -265,7 +265,7 @@ class _RefuseDeepChunks(LRUPolicy):
 
 
 def test_the_store_obeys_the_policys_admission(layout, tmp_path, monkeypatch):
-    import kvtier.store as store_module
+    import kvtier.store_types as store_module
 
     monkeypatch.setitem(POLICIES, "refuse-deep", lambda context: _RefuseDeepChunks())
     monkeypatch.setattr(store_module, "LIVE_POLICIES", (*store_module.LIVE_POLICIES, "refuse-deep"))

@@ -25,157 +25,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_tokens_of
-from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Placement
 from kvtier.core.policies.base import TierContext
-from kvtier.core.policy import LIVE_POLICIES, POLICIES, make_policy
+from kvtier.core.policy import make_policy
 from kvtier.mover import TierMover, Uploader
+from kvtier.store_types import (  # noqa: F401 (re-exported: the store's public types)
+    MAX_WAITING,
+    NOMINAL_READ_BPS,
+    WRITE_MODES,
+    LoadResult,
+    LookupResult,
+    RemoteConfig,
+    SaveResult,
+    StoreConfig,
+    StoreStats,
+    make_remote_tier,
+)
 from kvtier.tiers.base import Reservation, Tier, TierFullError
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
-from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
 from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 
 log = logging.getLogger(__name__)
-
-NOMINAL_READ_BPS = {"host": 10e9, "disk": 1.5e9, "remote": 1e9}
-"""Read bandwidth per kind of tier that cost-aware policies assume; the order of magnitude
-`kvtier bench io` and `kvtier bench remote` measure on the development machines."""
-WRITE_MODES = ("through", "back")
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """The shared remote tier below SSD (or below DRAM when there is no SSD)."""
-
-    tier: object
-    """A :class:`~kvtier.tiers.valkey.ValkeyTierConfig` or a
-    :class:`~kvtier.tiers.mooncake.MooncakeTierConfig`."""
-    write: str = "through"
-    """``through``: every saved chunk is uploaded (in the background) as soon as it is saved,
-    so other instances find it at once. ``back``: a chunk is uploaded only when it leaves the
-    last local tier (fewer remote writes; other instances see it later)."""
-    max_queued: int = 256
-    """Chunks waiting for upload at most; beyond that a chunk is not uploaded (counted)."""
-
-    def __post_init__(self) -> None:
-        kind = type(self.tier).__name__
-        if kind not in ("ValkeyTierConfig", "MooncakeTierConfig"):
-            raise TypeError(f"RemoteConfig.tier must be a ValkeyTierConfig or MooncakeTierConfig, got {kind}")
-        if self.write not in WRITE_MODES:
-            raise ValueError(f"RemoteConfig.write must be one of {WRITE_MODES}, got {self.write!r}")
-        if not isinstance(self.max_queued, int) or self.max_queued <= 0:
-            raise ValueError(f"RemoteConfig.max_queued must be a positive int, got {self.max_queued!r}")
-
-
-def make_remote_tier(config: object) -> Tier:
-    """The remote tier for a backend config (imports the backend's client only when used)."""
-    kind = type(config).__name__
-    if kind == "ValkeyTierConfig":
-        from kvtier.tiers.valkey import ValkeyTier
-
-        return ValkeyTier(config)  # type: ignore[arg-type]
-    if kind == "MooncakeTierConfig":
-        from kvtier.tiers.mooncake import MooncakeTier
-
-        return MooncakeTier(config)  # type: ignore[arg-type]
-    raise TypeError(f"no remote tier for a {kind}")
-
-
-MAX_WAITING = 65536
-"""Queued requests remembered between :meth:`KVStore.queued` and :meth:`KVStore.started`."""
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    model: str
-    """Fingerprint of the model's weights (name and revision); part of every key."""
-    layout: KVLayout
-    host: HostTierConfig
-    disk: DiskTierConfig | None = None
-    policy: str = "lru"
-    tenant: str = ""
-    """Default tenant salt; chunks are shared only between callers with the same salt."""
-    write_through: bool = False
-    """Also write every saved chunk to SSD at once (so it survives a restart), instead of
-    only when DRAM demotes it. Costs SSD write bandwidth on every save."""
-    remote: RemoteConfig | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError("StoreConfig.model must be a non-empty string")
-        if not isinstance(self.layout, KVLayout):
-            raise TypeError("StoreConfig.layout must be a KVLayout")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
-        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
-            raise TypeError("StoreConfig.remote must be a RemoteConfig")
-        if self.policy not in LIVE_POLICIES:
-            raise ValueError(
-                f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
-                f"live policies: {list(LIVE_POLICIES)}"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """The longest cached prefix of a token sequence."""
-
-    num_tokens: int
-    hit_tokens: int
-    keys: list[ChunkKey]
-    tiers: list[str]
-    """Name of the fastest tier holding each hit chunk."""
-
-    @property
-    def tier_tokens(self) -> dict[str, int]:
-        chunk = self.hit_tokens // len(self.keys) if self.keys else 0
-        return {name: n * chunk for name, n in Counter(self.tiers).items()}
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """KV for the first ``tokens`` tokens (may be fewer than the lookup promised)."""
-
-    tokens: int
-    kv: list[LayerKV]
-    tiers: list[str]
-    """Tier each loaded chunk was read from."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    stored: int
-    """New chunks written."""
-    present: int
-    """Chunks already held (by this or any earlier sequence: stored once)."""
-    dropped: int
-    """Chunks that found no room (every resident chunk pinned)."""
-
-
-@dataclass(slots=True)
-class StoreStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    hits: Counter[str] = field(default_factory=Counter)
-    """Per tier: looked-up chunks whose fastest copy was in that tier."""
-    misses: Counter[str] = field(default_factory=Counter)
-    """Per tier: looked-up full chunks that tier did not serve (found lower, or nowhere)."""
-    loaded_layer_tokens: Counter[str] = field(default_factory=Counter)
-    """Per tier: tokens loaded times layers loaded (a full load of T tokens adds T x layers)."""
-    saved_chunks: int = 0
-    dedup_chunks: int = 0
-    dropped_chunks: int = 0
-    load_failures: int = 0
-    """Chunks the index promised that no tier could read (damaged or lost)."""
-
 
 class KVStore:
     """Chunk-keyed KV cache over a host DRAM tier and an optional SSD tier."""
