@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from typing import TypeVar
 
 import torch
 
@@ -53,6 +54,7 @@ from kvtier.tiers.host import HostTier
 from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 class KVStore:
     """Chunk-keyed KV cache over a host DRAM tier and an optional SSD tier."""
@@ -227,27 +229,38 @@ class KVStore:
     ) -> str | None:
         """Copy chunk ``key`` into position ``i`` of ``out``; the tier read from, or None."""
         layout = self.layout
-        while (level := self.placement.source(key, promote)) is not None:
-            tier = self.tiers[level]
+
+        def read(level: int, tier: Tier) -> str | None:
+            whole = self.host.view(key) if level == 0 else None  # DRAM: zero-copy, one view
+            for layer in layers:
+                lo = layout.layer_offset(layer)
+                if whole is not None:
+                    raw = whole[lo : lo + layout.layer_bytes]
+                else:
+                    raw = tier.get(key, offset=lo, length=layout.layer_bytes)
+                    if raw is None:
+                        return None
+                unpack_layer(raw, out[layer], i, layout)
+            return tier.name
+
+        got = self._read(key, promote, read)
+        return got[0] if got is not None else None
+
+    def _read(self, key: ChunkKey, promote: bool,
+              read: Callable[[int, Tier], T | None]) -> tuple[T, int] | None:
+        """``read(level, tier)`` the chunk, pinned, from the tier the placement picks (promoting
+        it into DRAM first when ``promote``); with the level it was found in before promotion.
+        A failed read is counted, that copy forgotten, and the next tier tried; None if none
+        could be read. Call under the store's lock."""
+        while (found := self.index.fastest(key)) is not None:
+            level = self.placement.source(key, promote)
+            tier = self.tiers[level]  # type: ignore[index]
             with tier.pinned(key) as held:
-                if held and level == 0:
-                    raw = self.host.view(key)
-                    for layer in layers:
-                        lo = layout.layer_offset(layer)
-                        unpack_layer(raw[lo : lo + layout.layer_bytes], out[layer], i, layout)
-                    return tier.name
-                if held:
-                    ok = True
-                    for layer in layers:
-                        raw = tier.get(key, offset=layout.layer_offset(layer), length=layout.layer_bytes)
-                        if raw is None:
-                            ok = False
-                            break
-                        unpack_layer(raw, out[layer], i, layout)
-                    if ok:
-                        return tier.name
+                got = read(level, tier) if held else None  # type: ignore[arg-type]
+            if got is not None:
+                return got, found
             self.stats.load_failures += 1
-            self._forget(key, level)
+            self._forget(key, level)  # type: ignore[arg-type]
         return None
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
@@ -319,16 +332,8 @@ class KVStore:
         (before any promotion); None on a miss. Damage found on the way is counted and
         forgotten, as for chunks."""
         with self._lock:
-            while (found := self.index.fastest(key)) is not None:
-                level = self.placement.source(key, promote)
-                tier = self.tiers[level]  # type: ignore[index]
-                with tier.pinned(key) as held:
-                    data = tier.get(key) if held else None
-                if data is not None:
-                    return data, self.tiers[found].name
-                self.stats.load_failures += 1
-                self._forget(key, level)
-            return None
+            got = self._read(key, promote, lambda level, tier: tier.get(key))
+            return (got[0], self.tiers[got[1]].name) if got is not None else None
 
     # -- key-level access (for the store daemon's clients, which share the DRAM arena) -------
     def reserve_chunk(self, key: ChunkKey, position: int | None = None,

@@ -155,16 +155,20 @@ def make_events(config: ObjectsBenchConfig) -> list[_Event]:
     return events
 
 
+def _load_s(config: ObjectsBenchConfig) -> float:
+    """Seconds to read one slot from DRAM."""
+    return config.slot_bytes / (config.dram_GBps * 1e9)
+
+
 def _contexts(config: ObjectsBenchConfig, compute: ComputeModel) -> list[TierContext]:
-    load_s = config.slot_bytes / (config.dram_GBps * 1e9)
-    return [TierContext(level=0, chunk_load_s=load_s, chunk_tokens=MOONCAKE_BLOCK_TOKENS,
+    return [TierContext(level=0, chunk_load_s=_load_s(config), chunk_tokens=MOONCAKE_BLOCK_TOKENS,
                         compute=compute)]
 
 
 def _run(events: list[_Event], stores: list[SimStore], route: bool, config: ObjectsBenchConfig,
          compute: ComputeModel) -> list[float]:
     """Recompute seconds saved per kind."""
-    load_s = config.slot_bytes / (config.dram_GBps * 1e9)
+    load_s = _load_s(config)
     saved = [0.0, 0.0, 0.0]
     c = MOONCAKE_BLOCK_TOKENS
     for seq, ev in enumerate(events):

@@ -123,9 +123,9 @@ class SimStore:
         place, sources = self.placement, []
         for key in hit.keys:
             fastest = place.index.fastest(key)
-            level = place.source(key)
-            if level is None or fastest is None:
+            if fastest is None:
                 break
+            level = place.source(key)
             if level > 0:
                 self.mover.reads[level] += 1  # read in place: DRAM had no room for it
             self.hits[fastest] += 1

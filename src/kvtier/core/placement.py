@@ -195,12 +195,11 @@ class Placement:
             self.mover.unpin(level, key)
         if copied is Copied.SOURCE_LOST:
             self.forget(key, level)
-        if copied is Copied.QUEUED:
+        if copied in (Copied.OK, Copied.QUEUED):
             self.stats.writes_down[lower] += 1
         if copied is not Copied.OK:
-            return False
+            return False  # queued: the mover reports it with `added` once it is there
         self.added(key, lower)
-        self.stats.writes_down[lower] += 1
         return True
 
     def promote(self, key: ChunkKey, level: int) -> bool:

@@ -80,20 +80,20 @@ class VisionEngine:
 
     # -- encoder ------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, image: bytes) -> tuple[torch.Tensor, bool]:
-        """The projected encoder output of an image ``[tokens, hidden]``, and whether it was
-        cached."""
+    def encode(self, image: bytes, use_store: bool = True) -> tuple[torch.Tensor, bool]:
+        """The projected encoder output of an image ``[tokens, hidden]``, and whether it came
+        from the store (a computed one is stored, with the encoder time as its cost)."""
+        objects = self.objects if use_store else None
         key = object_key(ObjectKind.ENCODER_OUTPUT, content_hash(image), self.encoder_id)
-        if self.objects is not None:
-            hit = self.objects.get(key)
+        if objects is not None:
+            hit = objects.get(key)
             if hit is not None:
                 return hit.data.view(torch.float32).view(-1, self.hidden), True
         t0 = time.perf_counter()
-        pixels = pixel_values(image)[None]
-        feats = self.model.get_image_features(pixel_values=pixels).pooler_output[0]
-        spent = time.perf_counter() - t0
-        if self.objects is not None:
-            self.objects.put(key, feats.contiguous(), ObjectKind.ENCODER_OUTPUT, recompute_s=spent)
+        feats = self.model.get_image_features(pixel_values=pixel_values(image)[None]).pooler_output[0]
+        if objects is not None:
+            objects.put(key, feats.contiguous(), ObjectKind.ENCODER_OUTPUT,
+                        recompute_s=time.perf_counter() - t0)
         return feats, False
 
     # -- a turn -------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class VisionEngine:
         for (start, end, _), image in zip(spans, images):
             if end <= hit_tokens:
                 continue  # inside the cached prefix: its KV is there, the encoder is not needed
-            feats, cached = self.encode(image) if use_store else (self.encode_fresh(image), False)
+            feats, cached = self.encode(image, use_store)
             hits += cached
             runs += not cached
             lo = max(start, hit_tokens)
@@ -140,7 +140,3 @@ class VisionEngine:
             store.save(tokens, kv, extras=extras)
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         return VisionTurn(len(ids), hit_tokens, generated, text, first_logits, runs, hits, spans)
-
-    @torch.no_grad()
-    def encode_fresh(self, image: bytes) -> torch.Tensor:
-        return self.model.get_image_features(pixel_values=pixel_values(image)[None]).pooler_output[0]
