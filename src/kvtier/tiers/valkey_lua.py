@@ -71,24 +71,22 @@ redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[6]), ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[4] .. ' ' .. ARGV[2])
 return {1, swept}
 """
-PUBLISH = """
+# Shared head of PUBLISH and RELEASE: KEYS[1..2] = resv, resvb; ARGV[1..2] = hex, token. Ends
+# the caller's own open reservation (0 if it has none: expired, or another writer's).
+_END_RESERVATION = """
 local v = redis.call('HGET', KEYS[2], ARGV[1])
 if not v then return 0 end
 local charge, token = string.match(v, '^(%d+) (%S+)$')
 if token ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+PUBLISH = _END_RESERVATION + """
 redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[5]), ARGV[1])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[3] .. ' ' .. charge)
 return 1
 """
-RELEASE = """
-local v = redis.call('HGET', KEYS[2], ARGV[1])
-if not v then return 0 end
-local charge, token = string.match(v, '^(%d+) (%S+)$')
-if token ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[1], ARGV[1])
+RELEASE = _END_RESERVATION + """
 redis.call('DECRBY', KEYS[3], charge)
 return 1
 """
