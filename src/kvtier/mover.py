@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +182,11 @@ class TierMover:
             log.warning("copying chunk %s from %s to %s failed: %s", key.hex(), source.name,
                         target.name, exc)
             return Copied.FAILED
-        ok = source.get(key, out=res.buffer) is not None
+        late: list[Future] = []
+        ok = source.get_into(key, res.buffer, late.append)
+        if late:  # a read given up on may still write the reservation: it is abandoned after
+            late[0].add_done_callback(lambda _: target.commit(res, ok=False))
+            return Copied.SOURCE_LOST
         stored = target.commit(res, ok=ok)
         if not ok:
             return Copied.SOURCE_LOST

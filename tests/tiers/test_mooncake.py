@@ -85,6 +85,66 @@ def test_corrupted_bytes_are_a_counted_miss_never_wrong_bytes(mooncake_shared, c
     raw.close()
 
 
+def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared, caplog):
+    from mooncake.store import MooncakeDistributedStore
+
+    prefix, big = unique_prefix(), 1 << 20
+    writer = open_tier(mooncake_shared.master_address, prefix=prefix)
+    reader = open_tier(mooncake_shared.master_address, prefix=prefix)  # knows no sizes
+    for i in range(3):
+        assert writer.put(key(i), data(i, big), SEGMENT)
+    late = []
+    for tier in (writer, reader):
+        out = torch.zeros(big, dtype=torch.uint8)
+        assert tier.get_into(key(1), out, late.append) and torch.equal(out, data(1, big))
+    assert reader.stats.hits == 1 and reader.stats.bytes_read == big
+    assert not reader.get_into(key(9), out, late.append) and reader.stats.misses == 1
+    for tier in (writer, reader):  # a buffer of the wrong size is the caller's error
+        with pytest.raises(ValueError, match="out must be"):
+            tier.get_into(key(1), torch.zeros(big - 1, dtype=torch.uint8), late.append)
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", mooncake_shared.master_address) == 0
+    name = f"{prefix}:{key(2).hex()}"
+    obj = bytearray(raw.get(name))
+    obj[header_len(big // SEGMENT) + 7 * SEGMENT + 1] ^= 0x01  # one bit of segment 7
+    assert raw.upsert(name, bytes(obj)) == 0
+    assert not reader.get_into(key(2), out, late.append)
+    assert reader.stats.corrupt == 1 and "checksum mismatch in segment 7" in caplog.text
+    assert not writer.contains(key(2)) and late == []
+    assert reader.get_into(key(0), out, late.append) and torch.equal(out, data(0, big))  # nothing else lost
+    raw.close()
+    writer.close()
+    reader.close()
+
+
+def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private, tmp_path):
+    """The holder of the bytes stalls mid-read: the read is a miss within the timeout, and the
+    DRAM slot it was reading into stays reserved until the abandoned call has ended."""
+    from kvtier.core.layout import KVLayout
+    from kvtier.core.placement import Copied
+    from kvtier.mover import TierMover
+    from kvtier.tiers.host import HostTier, HostTierConfig
+
+    mooncake_private.start()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
+    mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
+    assert tier.put(key(1), data(1), SEGMENT)
+    mooncake_private.holder.pause()
+    try:
+        t0 = time.monotonic()
+        assert mover.copy(key(1), 1, 0) is Copied.SOURCE_LOST
+        assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
+        assert host.used == ENTRY and not host.contains(key(1))  # the slot is held, not reused
+    finally:
+        mooncake_private.holder.resume()
+    wait_until(lambda: host.used == 0, timeout_s=30)  # released once the call ended
+    assert wait_until(lambda: mover.copy(key(1), 1, 0) is Copied.OK, timeout_s=30)
+    assert torch.equal(host.get(key(1)), data(1))
+    host.close()
+    tier.close()
+
+
 def test_master_down_at_start_then_up(mooncake_private):
     t0 = time.monotonic()
     tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)

@@ -4,7 +4,8 @@ For each backend (Valkey standalone, Mooncake Store over TCP) the benchmark star
 loopback servers (:mod:`kvtier.bench.servers`) and, per object size, moves ``count`` objects:
 
 - kvtier: ``tier.put(key, src_i, segment_bytes=size // 32)`` (32 checksummed segments, as the
-  layers of a chunk) and ``tier.get(key, out=dst_i)``: header, checksums, bookkeeping and
+  layers of a chunk) and ``tier.get_into(key, dst_i, late)`` (how the store promotes a chunk
+  from the remote tier into its DRAM or SSD reservation): header, checksums, bookkeeping and
   verification all count against the tier.
 - raw Valkey: valkey-py ``SET name memoryview(src_i)`` and ``GET name`` copied into ``dst_i``
   (valkey-py cannot read into a buffer; the tier delivers into ``dst_i`` too, and so does raw
@@ -123,8 +124,11 @@ class _TierSide:
             raise BenchError(f"{self.tier.name}: put {i} failed")
 
     def get(self, i: int) -> None:
-        if self.tier.get(self._key(i), out=self.dst[i]) is None:
+        if not self.tier.get_into(self._key(i), self.dst[i], self._late):
             raise BenchError(f"{self.tier.name}: get {i} missed")
+
+    def _late(self, _: object) -> None:
+        raise BenchError(f"{self.tier.name}: a read timed out")
 
     def check(self) -> None:
         if not all(torch.equal(s, d) for s, d in zip(self.src, self.dst, strict=True)):

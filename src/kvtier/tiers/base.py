@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from typing import Self
 
 import numpy as np
 import torch
@@ -164,6 +166,14 @@ class Tier(ABC):
         ``out`` (a ``uint8`` tensor of that length) or into a new tensor. None on a miss; then
         the content of ``out`` is unspecified."""
 
+    def get_into(self, key: ChunkKey, out: torch.Tensor, late: Callable[[Future], None]) -> bool:
+        """The whole entry into ``out``; whether it was read. A tier whose calls can be given up
+        on a timeout (a remote tier) may read straight into ``out`` here, saving a copy; when it
+        gives up on such a call it returns False and passes ``late`` a Future that completes
+        once nothing writes ``out`` any more: until then the caller must not reuse ``out``.
+        :meth:`get` never writes ``out`` after it returns. Default: ``get(key, out=out)``."""
+        return self.get(key, out=out) is not None
+
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool: ...
 
@@ -222,13 +232,13 @@ class Tier(ABC):
             if held:
                 self.unpin(key)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release resources. Committed entries of persistent tiers stay."""
 
     def __len__(self) -> int:
         return len(self.keys())
 
-    def __enter__(self) -> Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

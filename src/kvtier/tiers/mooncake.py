@@ -20,17 +20,24 @@ What is shared and what is per process:
   a writer exits. With the default of 0 this process mounts nothing.
 
 Every Mooncake call runs on a worker thread and is abandoned after ``timeout_s`` (Mooncake's own
-RPC and transfer timeouts are 30 s). An abandoned call may still touch its buffers later, so reads
-land in staging buffers the tier owns and are copied out after verification; large writes send
-from the caller's tensor (a late read of it is harmless: a changed byte fails its checksum). An
-abandoned write may still complete: the chunk is then in the pool but not in this process's list.
+RPC and transfer timeouts are 30 s). An abandoned call may still touch its buffers later, so
+``get`` reads into staging buffers the tier owns (given back to the pool only once the call has
+ended) and copies out after verification. ``get_into`` (how the store promotes a chunk) reads
+the payload straight into the caller's buffer and verifies it there, saving that copy; an
+abandoned one hands its future to the caller, who keeps the buffer until it is done. Large
+writes send from the caller's tensor (a late read of it is harmless: a changed byte fails its
+checksum). An abandoned write may still complete: the chunk is then in the pool but not in this
+process's list.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from mooncake.store import MooncakeDistributedStore
@@ -38,16 +45,23 @@ from mooncake.store import MooncakeDistributedStore
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
 from kvtier.tiers.mooncake_io import MooncakeConnection, Unavailable, code_name
-from kvtier.tiers.remote import FIXED_BYTES, CorruptObject, ObjectHeader, RemoteTier
+from kvtier.tiers.remote import (
+    FIXED_BYTES,
+    CorruptObject,
+    ObjectHeader,
+    RemoteTier,
+    peek_header_len,
+)
 from kvtier.tiers.remote_config import MooncakeTierConfig
 
 __all__ = ["MooncakeTier", "MooncakeTierConfig"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 NO_AVAILABLE_HANDLE, INVALID_PARAMS = -200, -600
 REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS = -703, -704, -705
-ZERO_COPY_MIN = 4 << 20
+ZERO_COPY_MIN = 64 << 10
 """Payloads from this size on are sent from the caller's memory, smaller ones copied."""
 
 
@@ -159,18 +173,18 @@ class MooncakeTier(RemoteTier):
         payload = slot.staging[slot.header_len : slot.charge]
         header = ObjectHeader.for_payload(res.key, memoryview(payload.numpy()), res.segment_bytes)
         memoryview(slot.staging.numpy())[: slot.header_len] = header.encode()
-        ptr, size = slot.staging.data_ptr(), slot.charge
+        staging, size = slot.staging, slot.charge
 
         def upload(s: MooncakeDistributedStore) -> int:
-            sent = s.batch_put_from_multi_buffer_ranges([name], [[ptr]], [[size]], [[0]])[0]
+            sent = s.batch_put_from_multi_buffer_ranges([name], [[staging.data_ptr()]], [[size]], [[0]])[0]
             if sent != size:
                 s.batch_put_session_revoke([name])
                 return sent if sent < 0 else -1
             return s.batch_put_session_end([name])[0]
 
         try:
-            rc = self._conn.call("commit", upload)
-        except Unavailable:  # the worker may still hold the staging buffer: let it go
+            rc = self._call("commit", upload, staging)
+        except Unavailable:
             self._revoke(name)
             return self._settle(res.key, None)
         self._conn.staging.give(slot.staging)
@@ -260,7 +274,7 @@ class MooncakeTier(RemoteTier):
             if size < 0:
                 return self._missing(key, size)
             staging = self._conn.staging_for("get", size)
-            got = self._conn.call("get", lambda s: s.get_into(name, staging.data_ptr(), size))
+            got = self._call("get", lambda s: s.get_into(name, staging.data_ptr(), size), staging)
         except Unavailable:
             self.stats.misses += 1
             return None
@@ -280,6 +294,94 @@ class MooncakeTier(RemoteTier):
             return self._deliver(key, header, part, lo, offset, length, out)
         finally:
             self._conn.staging.give(staging)
+
+    def get_into(self, key: ChunkKey, out: torch.Tensor, late: Callable[[Future], None]) -> bool:
+        """Like :meth:`Tier.get_into`: the payload lands straight in ``out`` (registered with
+        Mooncake for the call) and is verified where it lies; the header goes to a staging
+        buffer. A call given up on a timeout keeps ``out`` (and the header buffer) registered
+        until it has ended, and hands its future to ``late``. Falls back to :meth:`get` (staging
+        and a copy) where ``out`` cannot take the read directly."""
+        key = check_key(key)
+        if not (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
+                and out.is_contiguous() and out.numel() > 0):
+            return super().get_into(key, out, late)
+        name, n = self._name(key), out.numel()
+        with self._lock:
+            known = self._entries.get(key)
+        if known is not None:
+            self._check_range(known[0], 0, None, out)
+        try:
+            size = known[1] if known else self._conn.call("get", lambda s: s.get_size(name))
+            if size < 0:
+                return self._missing(key, size) is not None
+            hlen = size - n
+            if hlen < FIXED_BYTES + 16:  # not a payload of n bytes: let get() say what is wrong
+                return self.get(key, out=out) is not None
+            head = self._conn.staging_for("get", hlen)
+            store = self._conn.store("get")
+        except Unavailable:
+            self.stats.misses += 1
+            return False
+        if store.register_buffer(out.data_ptr(), n) != 0:  # e.g. shares a page with registered memory
+            self._conn.staging.give(head)
+            return self.get(key, out=out) is not None
+        def read(s: MooncakeDistributedStore) -> int:  # holds head and out while it runs
+            return s.batch_get_into_multi_buffers([name], [[head.data_ptr(), out.data_ptr()]], [[hlen, n]])[0]
+
+        def done(_: object) -> None:  # nothing writes the buffers any more
+            store.unregister_buffer(out.data_ptr())
+
+        def abandoned(future: Future) -> None:
+            future.add_done_callback(done)
+            late(future)
+
+        try:
+            got = self._call("get", read, head, abandoned)
+        except Unavailable:
+            self.stats.misses += 1
+            return False
+        done(None)
+        try:
+            if got < 0:
+                return self._missing(key, got) is not None
+            view = memoryview(head.numpy())[:hlen]
+            try:
+                if peek_header_len(view) != hlen:  # another payload size: let get() say what is wrong
+                    return self.get(key, out=out) is not None
+                header = ObjectHeader.decode(view, key)
+            except CorruptObject as exc:
+                return self._damaged(key, str(exc)) is not None
+            if got != size or header.nbytes != n:
+                return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
+            bad = header.bad_segment(memoryview(out.numpy()), 0)
+            if bad is not None:
+                return self._damaged(key, f"checksum mismatch in segment {bad}") is not None
+        finally:
+            self._conn.staging.give(head)
+        self.stats.hits += 1
+        self.stats.bytes_read += n
+        return True
+
+    def _call(self, what: str, fn: Callable[[MooncakeDistributedStore], T], staging: torch.Tensor,
+              abandoned: Callable[[Future], None] | None = None) -> T:
+        """``self._conn.call`` for a call that uses ``staging`` (``fn`` must refer to it, which
+        keeps it alive while the call runs). When the call fails, ``staging`` goes back to the
+        pool: at once, or once the call has ended if it was given up on (it may still use it)."""
+        given_up: list[Future] = []
+
+        def on_abandon(future: Future) -> None:
+            given_up.append(future)
+            if abandoned is not None:
+                abandoned(future)
+
+        try:
+            return self._conn.call(what, fn, on_abandon)
+        except Unavailable:
+            if given_up:
+                given_up[0].add_done_callback(lambda _: self._conn.staging.give(staging))
+            else:
+                self._conn.staging.give(staging)
+            raise
 
     def _missing(self, key: ChunkKey, rc: int) -> None:
         if rc in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
@@ -310,14 +412,23 @@ class MooncakeTier(RemoteTier):
             size = self._conn.call("entry_bytes", lambda s: s.get_size(name))
             if size < FIXED_BYTES:
                 return None
-            head = self._conn.staging_for("entry_bytes", size)
-            got = self._conn.call("entry_bytes", lambda s: s.get_into(name, head.data_ptr(), size))
-        except Unavailable:
+            raw = self._read_head(name, FIXED_BYTES)  # the fixed part says how long the header is
+            raw = self._read_head(name, min(peek_header_len(raw), size))
+            return ObjectHeader.decode(raw, key).nbytes
+        except (Unavailable, CorruptObject):
             return None
+
+    def _read_head(self, name: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` of an object (one ranged read, not the whole object)."""
+        head = self._conn.staging_for("entry_bytes", nbytes)
+        got = self._call(
+            "entry_bytes",
+            lambda s: s.get_into_ranges([head.data_ptr()], [[name]], [[[0]]], [[[0]]], [[[nbytes]]])[0][0][0],
+            head)
         try:
-            return ObjectHeader.decode(memoryview(head.numpy())[: max(got, 0)], key).nbytes
-        except CorruptObject:
-            return None
+            if got != nbytes:
+                raise CorruptObject(f"read of the header failed: {code_name(got)}")
+            return head.numpy()[:nbytes].tobytes()
         finally:
             self._conn.staging.give(head)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -118,14 +118,19 @@ class MooncakeConnection:
         self.store(what)
         return self.staging.take(size)
 
-    def call(self, what: str, fn: Callable[[MooncakeDistributedStore], T]) -> T:
+    def call(self, what: str, fn: Callable[[MooncakeDistributedStore], T],
+             abandoned: Callable[[Future], None] | None = None) -> T:
         """``fn(store)`` on a worker; Unavailable (counted, logged) if down, failing or late.
-        An int result (or last element) in Mooncake's outage range is a failure too."""
+        An int result (or last element) in Mooncake's outage range is a failure too. A call
+        given up on a timeout may still run: ``abandoned`` then gets its future (done once the
+        call has ended or was cancelled before it started)."""
         future = self._workers.submit(fn, self.store(what))
         try:
             result = future.result(timeout=self.config.timeout_s)
         except FutureTimeout:
             future.cancel()
+            if abandoned is not None:
+                abandoned(future)
             self.health.failed(what, f"no answer within {self.config.timeout_s}s")
             raise Unavailable(what) from None
         except Exception as exc:  # a binding error is a failed call, not a crash
