@@ -33,11 +33,17 @@ from kvtier.tiers import valkey_lua as lua
 from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
 from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier
 from kvtier.tiers.remote_config import ValkeyTierConfig
-from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, overlapped
+from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, bulks, overlapped
 
 __all__ = ["ValkeyTier", "ValkeyTierConfig"]
 
 log = logging.getLogger(__name__)
+
+_PIECE = 512 << 10
+"""A put sends its payload about this many bytes (whole segments) at a time and checksums each
+piece right after sending it, while its bytes are still in the core's cache and the server takes
+them: cheaper than checksumming the whole payload before or after the upload (which reads it
+from memory again), for a few more system calls."""
 
 
 class ValkeyTier(RemoteTier):
@@ -51,6 +57,9 @@ class ValkeyTier(RemoteTier):
         p = config.prefix
         self._idx, self._meta, self._used_key = f"{{{p}}}:idx", f"{{{p}}}:meta", f"{{{p}}}:used"
         self._seq, self._resv, self._resvb = f"{{{p}}}:seq", f"{{{p}}}:resv", f"{{{p}}}:resvb"
+        self._put_keys = [self._used_key, self._resv, self._resvb, self._meta, self._idx, self._seq]
+        # the fixed head of _put_at_once's script call, packed once: 3 + 9 keys + 5 arguments
+        self._put_head = b"*17\r\n" + bulks("EVALSHA", lua.sha(lua.PUT), 9, *self._put_keys)
         self._conn = ValkeyConnection(config, self.stats)
         self.health = self._conn.health
         self._staging = BufferPool()
@@ -131,27 +140,31 @@ class ValkeyTier(RemoteTier):
         return self._write(key, src, seg, token)
 
     def _put_at_once(self, key: ChunkKey, src: torch.Tensor, segment_bytes: int | None) -> bool:
-        """A standalone put in one round trip: the payload goes to a temporary key that expires
-        while the header is computed, then a script admits the chunk (as reserve does), renames
-        the payload into place and stores the header, or drops the payload. Costs an upload when
-        refused (the tier is full: the caller evicts anyway)."""
+        """A standalone put in one round trip: the payload goes to a temporary key that expires,
+        piece by piece with the checksums of each piece computed right after it is sent (see
+        ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload into
+        place and stores the header, or drops the payload. Costs an upload when refused (the
+        tier is full: the caller evicts anyway)."""
         key, seg, charge = self._check_request(key, src.numel(), segment_bytes)
         view = memoryview(src.numpy()).cast("B")
         hkey, dkey = self._data_keys(key)
         tmp = f"{dkey}.{secrets.token_hex(8)}"
-        keys = [self._used_key, self._resv, self._resvb, self._meta, self._idx, self._seq, tmp, hkey, dkey]
-        header: list[ObjectHeader] = []
+        sums: list[int] = []
+        args: list[object] = []  # the script's keys past the fixed ones and its arguments, header last
 
-        def script_call() -> tuple[object, ...]:  # runs while the server takes the payload
-            header.append(ObjectHeader.for_payload(key, view, seg))
-            args = (key.hex(), charge, self.capacity, len(view), header[0].encode())
-            return ("EVALSHA", lua.sha(lua.PUT), len(keys), *keys, *args)
+        def sent(part: memoryview) -> None:  # whole segments, in order
+            sums.extend(ObjectHeader.for_payload(key, part, seg).checksums)
+
+        def script_call() -> bytes:  # once the whole payload is sent
+            header = ObjectHeader(key, len(view), seg, tuple(sums)).encode()
+            args.extend((tmp, hkey, dkey, key.hex(), charge, self.capacity, len(view), header))
+            return self._put_head + bulks(*args)
 
         def upload(c) -> list:
-            ttl = int(self.config.reservation_ttl_s * 1000)
-            stored, reply = overlapped(c, ("SET", tmp, view, "PX", ttl), script_call)
+            ttl, piece = int(self.config.reservation_ttl_s * 1000), seg * max(1, _PIECE // seg)
+            stored, reply = overlapped(c, ("SET", tmp, view, "PX", ttl), script_call, piece, sent)
             if isinstance(reply, NoScriptError) and not isinstance(stored, Exception):
-                reply = lua.run(c, lua.PUT, keys, list(script_call()[3 + len(keys):]))
+                reply = lua.run(c, lua.PUT, self._put_keys + args[:3], args[3:])
             for r in (stored, reply):
                 if isinstance(r, Exception):  # e.g. out of memory
                     c.delete(tmp)
@@ -164,7 +177,7 @@ class ValkeyTier(RemoteTier):
             self.stats.errors += 1
             log.warning("valkey: upload of chunk %s vanished before it was published", key.hex())
             return False
-        self._remember_header(key, header[0].encode())
+        self._remember_header(key, args[-1])  # type: ignore[arg-type]
         self.stats.writes += 1
         self.stats.bytes_written += len(view)
         return True
