@@ -8,14 +8,15 @@ from kvtier.bench.objects import KINDS, ObjectsBenchConfig, format_table, make_e
 def test_a_small_run_reports_every_policy_and_kind():
     cfg = ObjectsBenchConfig(requests=300, budgets=(0.1,), grid=4)
     (res,) = run(cfg)
-    assert set(res.saved_s) == {"cost", "lru", "best_partition"}
+    assert set(res.saved_s) == {"cost", "lru", "best_partition", "phase_partitions", "clairvoyant"}
+    assert res.saved_s["phase_partitions"] >= res.saved_s["best_partition"]  # re-tuned per phase
     for policy, by_kind in res.saved_by_kind.items():
         assert set(by_kind) == set(KINDS)
         assert 0 < res.saved_s[policy] <= res.possible_s
         assert res.saved_s[policy] == pytest.approx(sum(by_kind.values()))
     assert sum(res.best_partition) == pytest.approx(1.0)
     assert res.ratio_vs_partition > 0
-    assert "cost / partition" in format_table([res])
+    assert "cost / partition" in format_table([res]) and "clairvoyant" in format_table([res])
 
 
 def test_the_mix_shifts_by_phase():

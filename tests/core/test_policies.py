@@ -27,15 +27,30 @@ def drain(policy) -> list[bytes]:
 
 
 def test_registry_lists_the_baseline_first_and_builds_every_policy_from_a_tier_context():
-    assert list(POLICIES) == ["lru", "attentionstore", "cost", "optimal"]
+    assert list(POLICIES) == ["lru", "attentionstore", "cost", "optimal", "clairvoyant"]
     ctx = TierContext(future={k(1): [3]})
     for name in POLICIES:
         assert len(make_policy(name, ctx)) == 0
 
 
-def test_optimal_refuses_to_run_without_the_future():
+@pytest.mark.parametrize("name", ["optimal", "clairvoyant"])
+def test_offline_bounds_refuse_to_run_without_the_future(name):
     with pytest.raises(ValueError, match="needs the whole future"):
-        make_policy("optimal")
+        make_policy(name)
+
+
+def test_clairvoyant_evicts_the_least_saving_per_request_until_next_use():
+    ctx = TierContext(chunk_load_s=0.0, future={k(0): [10], k(1): [2], k(2): [20], k(3): [3]})
+    p = make_policy("clairvoyant", ctx)
+    p.begin(0, 0.0)
+    for i in range(5):
+        p.insert(k(i))
+    p.touch([k(0)], cost_s=1.0)  # 1 s in 10 requests: 0.1 s per request
+    p.touch([k(1)], cost_s=0.1)  # 0.05
+    p.touch([k(2)], cost_s=4.0)  # 0.2
+    p.touch([k(3)], cost_s=0.45)  # 0.15
+    assert not p.admit(k(4), None)  # never used again: not admitted, and the first to go
+    assert drain(p) == [k(4), k(1), k(0), k(3), k(2)]  # Belady would keep k(1) and drop k(2)
 
 
 def test_attentionstore_evicts_what_no_queued_request_needs_then_the_farthest_needed():

@@ -14,6 +14,14 @@ Compared in one run, at the same DRAM budget (in slots):
 - fixed per-kind partitions of the budget (every split on a grid), each partition LRU; the best
   split is the baseline (it is chosen knowing the whole run: a generous baseline).
 
+Two ceilings show how much room the workload leaves above that baseline, for any policy:
+
+- ``phase_partitions``: the best split chosen again for each phase, in hindsight (what a
+  partitioned store re-tuned at every shift of the mix could reach, ignoring the cost of moving);
+- ``clairvoyant``: the one budget under :mod:`kvtier.core.policies.clairvoyant`, which knows the
+  whole run and evicts the object saving the least per request until its next use (a heuristic
+  ceiling, not a proven bound; it saves more than Belady's hit-maximising order here).
+
 With ``phases`` the mix shifts over the run (chat-heavy, then image-heavy, then RAG-heavy
 hours), as a day of traffic does; a fixed split cannot follow it, one budget can. A steady mix
 (``phases=((1, 1),)``) is reported beside it.
@@ -93,6 +101,7 @@ class _Event:
     cost_s: float | None
     """Per part, for objects; None for KV (cost from the compute model)."""
     input_length: int = 0
+    phase: int = 0
 
 
 @dataclass
@@ -102,7 +111,8 @@ class ObjectsResult:
     possible_s: float
     """Recompute seconds of every request with no cache at all."""
     saved_s: dict[str, float] = field(default_factory=dict)
-    """Per policy (``cost``, ``lru``, ``best_partition``): recompute seconds saved."""
+    """Per policy (``cost``, ``lru``, ``best_partition``, and the ceilings ``phase_partitions``
+    and ``clairvoyant``): recompute seconds saved."""
     saved_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     best_partition: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """The best fixed split (kv, image, index shares of the budget)."""
@@ -134,14 +144,15 @@ def make_events(config: ObjectsBenchConfig) -> list[_Event]:
     nbytes = config.index_slots * config.slot_bytes - 64  # fills index_slots parts
     events: list[_Event] = []
     for i, req in enumerate(trace.requests):
-        image_scale, index_scale = config.phases[len(config.phases) * i // n]
+        phase = len(config.phases) * i // n
+        image_scale, index_scale = config.phases[phase]
         image_share = min(1.0, config.image_share * image_scale)
         index_share = min(1.0, config.index_share * index_scale)
-        events.append(_Event(0, req.keys, None, req.input_length))
+        events.append(_Event(0, req.keys, None, req.input_length, phase))
         if rng.random() < image_share:
             image = int(rng.choice(config.images, p=image_p))
             key = object_key(ObjectKind.ENCODER_OUTPUT, f"image-{image}", "vit@1")
-            events.append(_Event(1, [key], config.encoder_s))
+            events.append(_Event(1, [key], config.encoder_s, phase=phase))
         if rng.random() < index_share:
             # The session's user: a user's memory is hot while they talk, cold for most of
             # the day. A session is known by its first own block (after the system prompt).
@@ -151,7 +162,7 @@ def make_events(config: ObjectsBenchConfig) -> list[_Event]:
                 user = users_of[session] = int(rng.choice(config.users, p=user_p))
             key = object_key(ObjectKind.INDEX_SHARD, f"user-{user}", "v1")
             parts = part_keys(key, nbytes, config.slot_bytes)
-            events.append(_Event(2, parts, config.rebuild_s / len(parts)))
+            events.append(_Event(2, parts, config.rebuild_s / len(parts), phase=phase))
     return events
 
 
@@ -160,16 +171,24 @@ def _load_s(config: ObjectsBenchConfig) -> float:
     return config.slot_bytes / (config.dram_GBps * 1e9)
 
 
-def _contexts(config: ObjectsBenchConfig, compute: ComputeModel) -> list[TierContext]:
+def _contexts(config: ObjectsBenchConfig, compute: ComputeModel,
+              events: list[_Event] | None = None) -> list[TierContext]:
+    """With ``events``, the context knows every key's uses (for ``clairvoyant``)."""
+    future: dict[ChunkKey, list[int]] | None = None
+    if events is not None:
+        future = {}
+        for seq, ev in enumerate(events):
+            for key in ev.keys:
+                future.setdefault(key, []).append(seq)
     return [TierContext(level=0, chunk_load_s=_load_s(config), chunk_tokens=MOONCAKE_BLOCK_TOKENS,
-                        compute=compute)]
+                        compute=compute, future=future)]
 
 
 def _run(events: list[_Event], stores: list[SimStore], route: bool, config: ObjectsBenchConfig,
-         compute: ComputeModel) -> list[float]:
-    """Recompute seconds saved per kind."""
+         compute: ComputeModel) -> np.ndarray:
+    """Recompute seconds saved, per phase and kind."""
     load_s = _load_s(config)
-    saved = [0.0, 0.0, 0.0]
+    saved = np.zeros((len(config.phases), len(KINDS)))
     c = MOONCAKE_BLOCK_TOKENS
     for seq, ev in enumerate(events):
         sim = stores[ev.kind] if route else stores[0]
@@ -179,13 +198,13 @@ def _run(events: list[_Event], stores: list[SimStore], route: bool, config: Obje
             got = len(sim.load(hit))
             sim.save(ev.keys)
             tokens = min(got * c, ev.input_length)
-            saved[0] += compute.prefill_s(0, ev.input_length) - compute.prefill_s(
+            saved[ev.phase, 0] += compute.prefill_s(0, ev.input_length) - compute.prefill_s(
                 tokens, ev.input_length) - got * load_s
             continue
         hit = sim.lookup(ev.keys, ev.cost_s)
         if len(hit) == len(ev.keys):
             sim.load(hit, ev.cost_s)
-            saved[ev.kind] += len(ev.keys) * (ev.cost_s - load_s)
+            saved[ev.phase, ev.kind] += len(ev.keys) * (ev.cost_s - load_s)
         else:
             sim.save(ev.keys, ev.cost_s)
     return saved
@@ -202,41 +221,44 @@ def run(config: ObjectsBenchConfig) -> list[ObjectsResult]:
     unique = len({k for ev in events for k in ev.keys})
     possible = _possible(events, compute)
     contexts = _contexts(config, compute)
+    oracle = _contexts(config, compute, events)
     results = []
     for fraction in config.budgets:
         budget = max(3, round(fraction * unique))
         res = ObjectsResult(budget_slots=budget, unique_slots=unique, possible_s=possible)
-        for policy in ("cost", "lru"):
-            store = SimStore(SimConfig(policy, budget), contexts)
-            by_kind = _run(events, [store], False, config, compute)
-            res.saved_s[policy] = sum(by_kind)
-            res.saved_by_kind[policy] = dict(zip(KINDS, by_kind))
+        for policy, ctx in (("cost", contexts), ("lru", contexts), ("clairvoyant", oracle)):
+            store = SimStore(SimConfig(policy, budget), ctx)
+            by_kind = _run(events, [store], False, config, compute).sum(axis=0)
+            res.saved_s[policy] = float(by_kind.sum())
+            res.saved_by_kind[policy] = dict(zip(KINDS, by_kind.tolist()))
         g = config.grid
-        best: tuple[float, tuple[float, float, float], list[float]] | None = None
+        splits: list[tuple[tuple[float, float, float], np.ndarray]] = []
         for a, b in itertools.product(range(1, g - 1), repeat=2):
             if a + b >= g:
                 continue
             shares = (a / g, b / g, (g - a - b) / g)
             caps = [max(1, int(budget * s)) for s in shares]
             stores = [SimStore(SimConfig("lru", cap), contexts) for cap in caps]
-            by_kind = _run(events, stores, True, config, compute)
-            if best is None or sum(by_kind) > best[0]:
-                best = (sum(by_kind), shares, by_kind)
-        assert best is not None
-        res.saved_s["best_partition"] = best[0]
-        res.best_partition = best[1]
-        res.saved_by_kind["best_partition"] = dict(zip(KINDS, best[2]))
+            splits.append((shares, _run(events, stores, True, config, compute)))
+        shares, best = max(splits, key=lambda split: split[1].sum())
+        res.saved_s["best_partition"] = float(best.sum())
+        res.best_partition = shares
+        res.saved_by_kind["best_partition"] = dict(zip(KINDS, best.sum(axis=0).tolist()))
+        per_phase = np.stack([saved.sum(axis=1) for _, saved in splits])  # [split, phase]
+        res.saved_s["phase_partitions"] = float(per_phase.max(axis=0).sum())
         results.append(res)
     return results
 
 
 def format_table(results: list[ObjectsResult]) -> str:
-    lines = ["| DRAM budget (slots) | lru | best fixed partition (kv/image/index) | cost | cost / partition |",
-             "|---|---|---|---|---|"]
+    lines = [("| DRAM budget (slots) | lru | best fixed partition (kv/image/index) | cost | cost / partition "
+              "| ceilings / partition: per-phase partitions, clairvoyant |"),
+             "|---|---|---|---|---|---|"]
     for r in results:
         share = "/".join(f"{s:.1f}" for s in r.best_partition)
+        best = r.saved_s["best_partition"]
         lines.append(
             f"| {r.budget_slots} of {r.unique_slots} | {r.saved_s['lru']:.1f} s | "
-            f"{r.saved_s['best_partition']:.1f} s ({share}) | {r.saved_s['cost']:.1f} s | "
-            f"**{r.ratio_vs_partition:.2f}x** |")
+            f"{best:.1f} s ({share}) | {r.saved_s['cost']:.1f} s | **{r.ratio_vs_partition:.2f}x** | "
+            f"{r.saved_s['phase_partitions'] / best:.2f}x, {r.saved_s['clairvoyant'] / best:.2f}x |")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace
 from kvtier.core.cost_model import ComputeModel
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies.base import TierContext
-from kvtier.core.policy import POLICIES
+from kvtier.core.policy import LIVE_POLICIES, POLICIES
 
 LLAMA3_8B_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                             chunk_tokens=MOONCAKE_BLOCK_TOKENS)
@@ -95,7 +95,7 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay ``trace`` under ``config``. Deterministic."""
     compute, c = config.compute, MOONCAKE_BLOCK_TOKENS
     pcfg = SimConfig(config.policy, config.dram_blocks, config.ssd_blocks)
-    future = trace.future() if config.policy == "optimal" else None
+    future = trace.future() if config.policy not in LIVE_POLICIES else None
     contexts = [TierContext(level=lvl, chunk_load_s=config.load_s(lvl), chunk_tokens=c,
                             compute=compute, future=future) for lvl in range(len(pcfg.capacities))]
     place = SimStore(pcfg, contexts)

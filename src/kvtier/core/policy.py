@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from kvtier.core.policies.attentionstore import AttentionStorePolicy
 from kvtier.core.policies.base import EvictionPolicy, FutureUses, TierContext
+from kvtier.core.policies.clairvoyant import ClairvoyantPolicy
 from kvtier.core.policies.cost import CostPolicy
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.optimal import OptimalPolicy
@@ -19,6 +20,7 @@ __all__ = [
     "LIVE_POLICIES",
     "POLICIES",
     "AttentionStorePolicy",
+    "ClairvoyantPolicy",
     "CostPolicy",
     "EvictionPolicy",
     "FutureUses",
@@ -33,6 +35,7 @@ POLICIES: dict[str, Callable[[TierContext], EvictionPolicy]] = {
     "attentionstore": lambda context: AttentionStorePolicy(),
     "cost": CostPolicy,
     "optimal": OptimalPolicy,
+    "clairvoyant": ClairvoyantPolicy,
 }
 """Name -> factory taking the tier's context. Listed baseline first."""
 
