@@ -4,6 +4,13 @@ import pytest
 import torch
 
 from kvtier.core.layout import KVLayout
+from tests.remote_servers import (  # noqa: F401 - real-server fixtures, found by pytest here
+    mooncake_private,
+    mooncake_shared,
+    valkey_cluster,
+    valkey_private,
+    valkey_standalone,
+)
 
 
 @pytest.fixture

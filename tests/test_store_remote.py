@@ -12,13 +12,7 @@ from kvtier.store import RemoteConfig
 from kvtier.tiers.disk import DiskTierConfig, header_len_for
 from kvtier.tiers.mooncake import MooncakeTierConfig
 from kvtier.tiers.valkey import ValkeyTierConfig
-from tests.remote_servers import (  # noqa: F401 (fixtures)
-    mooncake_shared,
-    unique_prefix,
-    valkey_private,
-    valkey_standalone,
-    wait_until,
-)
+from tests.remote_servers import unique_prefix, wait_until
 
 from .conftest import make_kv
 

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.engines.default_model import SIZES, default_model_dir
 from transformers import AutoConfig
 
+from kvtier.engines.default_model import SIZES, default_model_dir
 from kvtier.engines.hf import EngineConfig, HFEngine, Message, kv_layout_for
 from kvtier.store import StoreConfig
 from kvtier.tiers.disk import DiskTierConfig
@@ -27,12 +27,7 @@ from kvtier.tiers.host import HostTierConfig
 if TYPE_CHECKING:
     from kvtier.engines.vllm_chat import VLLMChat
 
-WORDS = (
-    "cache memory layer token prefix attention model request user session chunk disk host "
-    "latency throughput budget history context window query answer system prompt reuse "
-    "prefill decode batch engine store tier policy evict promote demote load save hit miss "
-    "the a of to and in for on with by from as is are was be it that this which what how why"
-).split()
+WORDS = ["cache", "memory", "layer", "token", "prefix", "attention", "model", "request", "user", "session", "chunk", "disk", "host", "latency", "throughput", "budget", "history", "context", "window", "query", "answer", "system", "prompt", "reuse", "prefill", "decode", "batch", "engine", "store", "tier", "policy", "evict", "promote", "demote", "load", "save", "hit", "miss", "the", "a", "of", "to", "and", "in", "for", "on", "with", "by", "from", "as", "is", "are", "was", "be", "it", "that", "this", "which", "what", "how", "why"]
 
 
 @dataclass(frozen=True)

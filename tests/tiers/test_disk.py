@@ -141,9 +141,8 @@ def test_unwritable_directory_and_bad_config_raise_clearly(tmp_path):
 
 
 def test_one_process_owns_a_directory(tmp_path):
-    with open_tier(tmp_path):
-        with pytest.raises(ValueError, match="in use by another process"):
-            open_tier(tmp_path)
+    with open_tier(tmp_path), pytest.raises(ValueError, match="in use by another process"):
+        open_tier(tmp_path)
     open_tier(tmp_path).close()  # free again once closed
 
 

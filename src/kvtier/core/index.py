@@ -7,7 +7,7 @@ write). Tiers are identified by their level: 0 is the fastest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
@@ -70,5 +70,5 @@ class ChunkIndex:
     def __len__(self) -> int:
         return len(self._where)
 
-    def __iter__(self) -> Iterable[ChunkKey]:
+    def __iter__(self) -> Iterator[ChunkKey]:
         return iter(list(self._where))

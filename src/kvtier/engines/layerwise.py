@@ -54,7 +54,7 @@ class LayerwiseLoader:
         try:
             with torch.inference_mode():  # the buffers may be inference tensors (thread-local mode)
                 self._load_all()
-        except BaseException as exc:  # surfaced to the forward pass in wait()
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the forward pass in wait()
             self._error = exc
             for event in self._ready:
                 event.set()

@@ -51,7 +51,7 @@ def recv(sock: socket.socket) -> dict[str, object] | None:
         return None
     try:
         message = msgpack.unpackb(body, raw=False)
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is the peer's fault
+    except Exception as exc:
         raise ProtocolError(f"undecodable message: {exc}") from exc
     if not isinstance(message, dict):
         raise ProtocolError("a message must be a map")

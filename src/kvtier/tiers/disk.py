@@ -515,7 +515,6 @@ class DiskTier(Tier):
             os.unlink(self._path(key))
         except OSError:
             pass
-        return None
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -115,7 +115,7 @@ class MooncakeTierConfig:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
         if not isinstance(self.device_names, str):
-            raise ValueError(  # noqa: TRY004 - config errors are ValueErrors naming the field
+            raise ValueError(
                 f"mooncake device_names must be a string, got {self.device_names!r}")
         for field in ("global_segment_bytes", "local_buffer_bytes"):
             v = getattr(self, field)
