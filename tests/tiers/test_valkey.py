@@ -1,6 +1,6 @@
 """The Valkey tier against real valkey-server processes: the tier contract on a standalone server
 and on a 3-node cluster, then the faults (server down at start, killed, stalled, corrupted
-bytes, wrong password) and the sharing between processes."""
+bytes, wrong password, TLS) and the sharing between processes."""
 
 import time
 
@@ -10,7 +10,7 @@ import torch
 from kvtier.tiers.base import TierFullError
 from kvtier.tiers.remote import header_len
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
-from tests.remote_servers import unique_prefix, wait_until
+from tests.remote_servers import TLSProxy, unique_prefix, wait_until
 
 from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
 
@@ -241,3 +241,41 @@ def test_an_invalid_config_raises_naming_the_field(kwargs, field):
     base = {"addresses": ("127.0.0.1:6379",), "capacity_bytes": 1 << 20}
     with pytest.raises(ValueError, match=field):
         ValkeyTierConfig(**{**base, **kwargs})
+
+
+def test_tls_with_client_certificates_and_a_server_it_cannot_verify(valkey_standalone, tmp_path):
+    """The tier's TLS settings reach a real handshake: with the right CA and a client
+    certificate chunks go through; a server certificate from another CA is refused (a miss, the
+    tier down, nothing raised), and so is a client without a certificate."""
+    import trustme
+
+    ca, other_ca = trustme.CA(), trustme.CA()
+    server_cert, client_cert = ca.issue_cert("127.0.0.1"), ca.issue_cert("kvtier-client")
+    files = {}
+    for name, blob in [("ca", ca.cert_pem), ("other_ca", other_ca.cert_pem),
+                       ("server", server_cert.private_key_and_cert_chain_pem),
+                       ("client_cert", client_cert.cert_chain_pems[0]), ("client_key", client_cert.private_key_pem)]:
+        files[name] = str(tmp_path / f"{name}.pem")
+        blob.write_to_path(files[name])
+    host, port = valkey_standalone.address.split(":")
+    proxy = TLSProxy((host, int(port)), (files["server"], files["server"]), client_ca=files["ca"])
+    try:
+        prefix = unique_prefix()
+        tls = {"ssl": True, "ssl_ca_file": files["ca"], "timeout_s": 2.0}
+        with open_tier([proxy.address], prefix=prefix, ssl_cert_file=files["client_cert"],
+                       ssl_key_file=files["client_key"], **tls) as tier:
+            assert tier.put(key(1), data(1), SEGMENT)
+            assert torch.equal(tier.get(key(1)), data(1))
+        with open_tier([valkey_standalone.address], prefix=prefix) as plain:  # the same server
+            assert plain.contains(key(1))
+        failed = proxy.handshakes_failed
+        for kw in ({**tls, "ssl_ca_file": files["other_ca"], "ssl_cert_file": files["client_cert"],
+                    "ssl_key_file": files["client_key"]}, tls):
+            with open_tier([proxy.address], prefix=prefix, reconnect_interval_s=60.0, **kw) as tier:
+                assert tier.get(key(1)) is None and not tier.contains(key(1))
+                with pytest.raises(TierFullError, match="unavailable"):
+                    tier.put(key(2), data(2), SEGMENT)
+                assert tier.stats.errors >= 1 and tier.stats.misses == 1
+        assert wait_until(lambda: proxy.handshakes_failed >= failed + 2, timeout_s=10)
+    finally:
+        proxy.close()
