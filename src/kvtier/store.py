@@ -171,9 +171,8 @@ class KVStore:
             return
         level = self.remote_level
         held = len(self.index.longest_prefix(keys))
-        for key in keys[held:]:
-            if not self.remote.contains(key):  # a down server answers False at once
-                break
+        rest = keys[held:]
+        for key in rest[: self.remote.contains_prefix(rest)]:  # one round trip; 0 when down
             self.placement.added(key, level)  # type: ignore[arg-type]
 
     # -- load ---------------------------------------------------------------------------------

@@ -60,6 +60,19 @@ class TierContract:
         assert not tier.contains(key(7)) and tier.entry_bytes(key(7)) is None
         assert tier.stats.misses == 1
 
+    def test_contains_prefix_counts_the_leading_entries_held(self, tier):
+        for i in (0, 1, 3):
+            assert tier.put(key(i), data(i), SEGMENT)
+        assert tier.contains_prefix([key(0), key(1), key(2), key(3)]) == 2
+        assert tier.contains_prefix([key(0), key(1)]) == 2
+        assert tier.contains_prefix([key(2), key(3)]) == 0
+        assert tier.contains_prefix([]) == 0
+        res = tier.reserve(key(2), ENTRY, SEGMENT)  # being written: not held yet
+        assert tier.contains_prefix([key(0), key(1), key(2), key(3)]) == 2
+        res.buffer.copy_(data(2))
+        assert tier.commit(res)
+        assert tier.contains_prefix([key(0), key(1), key(2), key(3)]) == 4
+
     def test_an_entry_being_written_is_invisible_until_committed(self, tier):
         res = tier.reserve(key(1), ENTRY, SEGMENT)
         res.buffer.copy_(data(1))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Self
@@ -176,6 +176,14 @@ class Tier(ABC):
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool: ...
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, this tier holds (committed entries). A remote
+        tier answers in one round trip; by default, one ``contains`` per key."""
+        for n, key in enumerate(keys):
+            if not self.contains(key):
+                return n
+        return len(keys)
 
     @abstractmethod
     def entry_bytes(self, key: ChunkKey) -> int | None:

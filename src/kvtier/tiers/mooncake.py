@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
@@ -401,6 +401,17 @@ class MooncakeTier(RemoteTier):
             return self._conn.call("contains", lambda s: s.is_exist(name)) == 1
         except Unavailable:
             return False
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """One ``batch_is_exist`` call."""
+        if not keys:
+            return 0
+        names = [self._name(check_key(k)) for k in keys]
+        try:
+            found = self._conn.call("contains", lambda s: s.batch_is_exist(names))
+        except Unavailable:
+            return 0
+        return next((n for n, v in enumerate(found) if v != 1), len(keys))
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
         with self._lock:

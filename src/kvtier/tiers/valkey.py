@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 
 import torch
 from valkey.exceptions import NoScriptError
@@ -311,6 +312,17 @@ class ValkeyTier(RemoteTier):
             return self._conn.run("contains", lambda c: c.hexists(self._meta, key.hex())) is True
         except Unavailable:
             return False
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """One HMGET of the index (one slot, also in a cluster)."""
+        if not keys:
+            return 0
+        fields = [check_key(k).hex() for k in keys]
+        try:
+            found = self._conn.run("contains", lambda c: c.hmget(self._meta, fields))
+        except Unavailable:
+            return 0
+        return next((n for n, v in enumerate(found) if v is None), len(keys))
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
         try:
