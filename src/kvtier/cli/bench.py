@@ -1,0 +1,305 @@
+"""``kvtier bench``: the benchmarks, each printing ratios against a baseline run in the same
+process."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.bench.io import RATIO_TARGET, STATISTICS, IOBenchConfig, IOBenchResult, run_io_bench
+from kvtier.bench.keys import KeysBenchConfig, KeysBenchResult, run_keys_bench
+from kvtier.cli.common import MiBList, emit_json
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks of the tiers and of key bookkeeping."""
+
+
+@bench.command("io")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Parent of the disk benchmark's temporary directory (must be a real disk, "
+                   "not tmpfs). Default: $TMPDIR or /tmp.")
+@click.option("--sizes", type=MiBList(), default="1,16", show_default=True,
+              help="Chunk sizes in MiB.")
+@click.option("--total-mib", type=click.IntRange(min=1), default=256, show_default=True,
+              help="MiB moved per phase and chunk size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed rounds (after one warm-up), tier and baseline alternating.")
+@click.option("--statistic", type=click.Choice(sorted(STATISTICS)), default="median",
+              show_default=True, help="How the rounds' times are combined.")
+@click.option("--fsync/--no-fsync", default=False, show_default=True,
+              help="fsync every chunk file (tier and baseline alike).")
+def bench_io(as_json: bool, directory: str | None, sizes: tuple[int, ...], total_mib: int,
+             rounds: int, statistic: str, fsync: bool) -> None:
+    """Write/read throughput of the host and disk tiers against raw baselines."""
+    try:
+        config = IOBenchConfig(sizes_mib=sizes, total_mib=total_mib, rounds=rounds,
+                               directory=directory, fsync=fsync, statistic=statistic)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        if as_json:
+            result = run_io_bench(config)
+        else:
+            with Console(stderr=True).status("measuring tier and baseline I/O..."):
+                result = run_io_bench(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        emit_json(result.as_dict())
+    else:
+        _print_io(result)
+
+
+@bench.command("remote")
+@click.option("--backend", type=click.Choice(["valkey", "mooncake", "all"]), default="all",
+              show_default=True, help="Which remote tier to measure.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--sizes", type=MiBList(), default="1,16", show_default=True,
+              help="Object sizes in MiB.")
+@click.option("--count", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Objects moved per phase and size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed rounds (after one warm-up); the median is reported.")
+def bench_remote(backend: str, as_json: bool, sizes: tuple[int, ...], count: int, rounds: int) -> None:
+    """Put/get throughput of the remote tiers against their backend's own client, on loopback
+    servers this command starts and stops."""
+    from kvtier.bench.remote import BACKENDS, RATIO_TARGET, RemoteBenchConfig, run_remote_bench
+
+    config = RemoteBenchConfig(backends=BACKENDS if backend == "all" else (backend,),
+                               sizes=tuple(s << 20 for s in sizes), count=count, rounds=rounds)
+    result = run_remote_bench(config)
+    if as_json:
+        emit_json(result.as_dict())
+        return
+    table = Table(title=f"remote tiers vs raw clients (GB/s, median of {rounds}; "
+                        f"target ratio >= {RATIO_TARGET})")
+    for col in ("backend", "size", "put", "raw put", "ratio", "get", "raw get", "ratio"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for r in result.rows:
+        table.add_row(r.backend, f"{r.size_bytes >> 20} MiB", f"{r.put_GBps:.2f}", f"{r.raw_put_GBps:.2f}",
+                      f"{r.put_ratio:.2f}", f"{r.get_GBps:.2f}", f"{r.raw_get_GBps:.2f}", f"{r.get_ratio:.2f}")
+    Console().print(table)
+
+
+@bench.command("objects")
+@click.option("--requests", type=click.IntRange(min=1), default=4000, show_default=True,
+              help="Turns of the session workload.")
+@click.option("--budgets", default="0.05,0.1,0.2", show_default=True,
+              help="DRAM budgets as fractions of all distinct slots.")
+@click.option("--steady", is_flag=True, help="A steady mix of kinds instead of shifting phases.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per budget.")
+def bench_objects(requests: int, budgets: str, steady: bool, as_json: bool) -> None:
+    """KV chunks, encoder outputs and index shards under one DRAM budget: recompute time
+    saved by `cost` and `lru` against the best fixed per-kind partition."""
+    from kvtier.bench.objects import ObjectsBenchConfig, format_table, run
+
+    try:
+        fractions = tuple(float(b) for b in budgets.split(","))
+        kw = {"phases": ((1.0, 1.0),)} if steady else {}
+        config = ObjectsBenchConfig(requests=requests, budgets=fractions, **kw)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    results = run(config)
+    if as_json:
+        emit_json([r.as_dict() for r in results])
+        return
+    click.echo(f"recompute seconds saved of {results[0].possible_s:.0f} possible "
+               f"({'steady mix' if steady else 'shifting mix'}):")
+    click.echo(format_table(results))
+
+
+@bench.command("truncation")
+@click.option("--model", default="small", show_default=True, help="tiny, small, or a model directory.")
+@click.option("--context-window", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--user-tokens", type=click.IntRange(min=1), default=None,
+              help="Each earlier question [default: 3/16 of the window].")
+@click.option("--reply-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="The question that overflows the window.")
+@click.option("--steps", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens generated and compared.")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Conversations.")
+@click.option("--timings", type=click.IntRange(min=1), default=5, show_default=True,
+              help="TTFT measurements per way and conversation (median kept).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def bench_truncation(model: str, context_window: int, system_tokens: int, user_tokens: int | None,
+                     reply_tokens: int, new_tokens: int, steps: int, chunk_tokens: int,
+                     repeats: int, timings: int, seed: int, as_json: bool) -> None:
+    """Conversations past the context window: TTFT with re-used, RoPE-shifted KV against a
+    full recompute of the truncated context, and how closely their outputs agree."""
+    from kvtier.bench.truncation import TruncationBenchConfig, format_table, run
+
+    try:
+        config = TruncationBenchConfig(
+            model=model, context_window=context_window, system_tokens=system_tokens,
+            user_tokens=user_tokens, reply_tokens=reply_tokens, new_tokens=new_tokens,
+            steps=steps, chunk_tokens=chunk_tokens, repeats=repeats, timings=timings, seed=seed)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    result = run(config)
+    if as_json:
+        emit_json(result.as_dict())
+    else:
+        click.echo(format_table(result))
+
+
+@bench.command("keys")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--repeats", type=click.IntRange(min=1), default=50, show_default=True)
+def bench_keys(as_json: bool, repeats: int) -> None:
+    """Chunking + hashing + index lookup of a 128K-token prompt."""
+    result = run_keys_bench(KeysBenchConfig(repeats=repeats))
+    if as_json:
+        emit_json(result.as_dict())
+    else:
+        _print_keys(result)
+
+
+@bench.command("vllm-ttft")
+@click.option("--model", default="small", show_default=True,
+              help="Embedded default model size (tiny, small) or a local model directory.")
+@click.option("--history", "history_tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_vllm_ttft(model: str, history_tokens: int, new_tokens: int, repeats: int, as_json: bool) -> None:
+    """TTFT through vLLM: vLLM alone vs vLLM + kvtier from DRAM vs from SSD."""
+    from kvtier.bench.vllm_ttft import VLLMTTFTConfig, run_vllm_ttft
+
+    try:
+        config = VLLMTTFTConfig(model=model, history_tokens=history_tokens, new_tokens=new_tokens,
+                                repeats=repeats)
+        result = run_vllm_ttft(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        emit_json(result.as_dict())
+        return
+    table = Table(title=f"vLLM TTFT, {new_tokens} new tokens after a {history_tokens}-token history")
+    for col in ("vLLM alone s", "kvtier DRAM s", "ratio", "kvtier SSD s", "ratio", "same output"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{result.ttft_vllm_s:.3f}", f"{result.ttft_dram_s:.3f}", f"{result.dram_ratio:.3f}",
+                  f"{result.ttft_ssd_s:.3f}", f"{result.ssd_ratio:.3f}",
+                  "yes" if result.same_output else "[red]NO[/]")
+    Console().print(table)
+
+
+@bench.command("ttft")
+@click.option("--model", default="small", show_default=True,
+              help="Embedded default model size (tiny, small) or a local model directory.")
+@click.option("--histories", type=MiBList(), default="1024,2048,4096,8192", show_default=True,
+              help="History lengths in tokens, comma-separated.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="New tokens of the turn that continues each history.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Parent of the SSD tier's temporary directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of rows.")
+def bench_ttft(model: str, histories: tuple[int, ...], new_tokens: int, repeats: int,
+               directory: str | None, as_json: bool) -> None:
+    """Time to first token by history length: full recompute vs DRAM hit vs SSD hit."""
+    from kvtier.bench.ttft import TTFTBenchConfig, run_ttft_bench
+
+    try:
+        config = TTFTBenchConfig(model=model, histories=histories, new_tokens=new_tokens,
+                                 repeats=repeats, directory=directory)
+        with Console(stderr=True).status("timing prefills..."):
+            rows = run_ttft_bench(config)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        return
+    table = Table(title=f"time to first token, {new_tokens} new tokens after a cached history")
+    for col in ("history", "recompute s", "DRAM hit s", "ratio", "SSD hit s", "ratio",
+                "load hidden (DRAM/SSD)", "same output", "max logit diff"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.history_tokens), f"{r.ttft_recompute_s:.3f}", f"{r.ttft_host_s:.3f}",
+                      f"{r.host_ratio:.3f}", f"{r.ttft_disk_s:.3f}", f"{r.disk_ratio:.3f}",
+                      f"{r.load_hidden_host:.0%} / {r.load_hidden_disk:.0%}",
+                      "yes" if r.same_output else "[red]NO[/]", f"{r.max_logit_diff:.1e}")
+    Console().print(table)
+
+
+@bench.command("workload")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--requests", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option("--session-rate", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="New sessions per second.")
+@click.option("--turns", type=click.FloatRange(min=1), default=6.0, show_default=True,
+              help="Mean turns per session.")
+@click.option("--think-s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Mean think time between turns, seconds.")
+@click.option("--system-prompts", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(min=0), default=2048, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def bench_workload(out: str, requests: int, session_rate: float, turns: float, think_s: float,
+                   system_prompts: int, system_tokens: int, seed: int) -> None:
+    """Write a ShareGPT-like multi-turn trace in Mooncake format to OUT."""
+    from kvtier.bench.workload import WorkloadConfig, generate
+
+    try:
+        config = WorkloadConfig(requests=requests, session_rate=session_rate, turns_mean=turns,
+                                think_mean_s=think_s, system_prompts=system_prompts,
+                                system_tokens=system_tokens, seed=seed)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    with open(out, "w", encoding="utf-8") as f:
+        written = generate(config, f)
+    click.echo(f"{written} requests written to {out}", err=True)
+
+
+# -- human output --------------------------------------------------------------
+def _ratio(value: float, target: float = RATIO_TARGET) -> str:
+    return f"[{'green' if value >= target else 'red'}]{value:.2f}[/]"
+
+
+def _print_io(result: IOBenchResult) -> None:
+    table = Table(title="kvtier I/O throughput (GB/s, 1e9 bytes/s)")
+    for col in ("tier", "chunk", "write", "baseline", "ratio", "read", "baseline", "ratio"):
+        table.add_column(col, justify="left" if col in ("tier", "chunk") else "right")
+    for name, tier in (("host", result.host), ("disk", result.disk)):
+        rows = [(s.label, s.throughput) for s in tier.by_size] + [("all", tier.throughput)]
+        for label, t in rows:
+            table.add_row(
+                name, label,
+                f"{t.write_GBps:.2f}", f"{t.baseline_write_GBps:.2f}", _ratio(t.write_ratio),
+                f"{t.read_GBps:.2f}", f"{t.baseline_read_GBps:.2f}", _ratio(t.read_ratio),
+            )
+        table.add_section()
+    console = Console()
+    console.print(table)
+    cfg = result.config
+    console.print(
+        f"disk: {result.directory} ({result.fs_type}), "
+        f"O_DIRECT={'on' if result.direct_io else 'off'}, fsync={'on' if cfg.fsync else 'off'}; "
+        f"{cfg.rounds} rounds, {cfg.statistic}; 'all' = total bytes / total time; "
+        f"target ratio >= {RATIO_TARGET}; load {result.load_avg_1m:.2f}"
+    )
+    if result.fs_type in ("tmpfs", "ramfs"):
+        console.print("[yellow]warning: the disk benchmark ran on a RAM filesystem; use --dir[/]")
+
+
+def _print_keys(result: KeysBenchResult) -> None:
+    cfg = result.config
+    table = Table(title=f"chunk + hash + lookup of {cfg.num_tokens} tokens "
+                        f"({result.num_chunks} chunks of {cfg.chunk_tokens}), ms")
+    target = f"target < {result.target_ms:g}"
+    for col in ("input", "median", "best", "chunk+hash", "lookup", target):
+        table.add_column(col, justify="left" if col == "input" else "right")
+    for r in (result.list_input, result.array_input):
+        ok = r.median_ms < result.target_ms
+        table.add_row(r.input, f"{r.median_ms:.2f}", f"{r.best_ms:.2f}", f"{r.chunk_median_ms:.2f}",
+                      f"{r.lookup_median_ms:.3f}", "[green]yes[/]" if ok else "[red]no[/]")
+    Console().print(table)

@@ -1,0 +1,60 @@
+"""Option types and output helpers shared by the ``kvtier`` commands."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+
+class MiBList(click.ParamType):
+    """A comma-separated list of positive whole MiB, e.g. ``1,16``."""
+
+    name = "MIB[,MIB...]"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None
+                ) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        try:
+            sizes = tuple(int(p) for p in parts)
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of whole MiB (e.g. 1,16)",
+                      param, ctx)
+        if any(s <= 0 for s in sizes):
+            self.fail(f"chunk sizes must be positive, got {value!r}", param, ctx)
+        return sizes
+
+
+def emit_json(payload: dict[str, object]) -> None:
+    click.echo(json.dumps(payload, indent=2))
+
+
+def size_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class ByteSize(click.ParamType):
+    """A byte count such as ``64GiB``, ``1.5TB`` or ``1048576``."""
+
+    name = "BYTES"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None
+                ) -> int:
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else ""
+        if m is None or unit not in _BYTE_UNITS:
+            self.fail(f"{value!r} is not a size like 64GiB, 500GB or 1048576", param, ctx)
+        return int(float(m.group(1)) * _BYTE_UNITS[unit])

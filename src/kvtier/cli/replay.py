@@ -1,0 +1,110 @@
+"""``kvtier replay``: placement policies replayed on a request trace."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.cli.common import ByteSize
+
+
+def _blocks(blocks: int | None, nbytes: int | None, chunk_bytes: int, name: str) -> int | None:
+    if blocks is not None and nbytes is not None:
+        raise click.UsageError(f"give --{name}-blocks or --{name}-bytes, not both")
+    return nbytes // chunk_bytes if nbytes is not None else blocks
+
+
+@click.command("replay")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("more_policies", nargs=-1, metavar="")
+@click.option("--policy", "policies", multiple=True, default=("lru",), show_default=True,
+              help="Policy name(s): --policy lru cost optimal, or repeat --policy, or a,b,c.")
+@click.option("--dram-blocks", type=click.IntRange(min=1), default=None,
+              help="DRAM capacity in 512-token blocks [default: 10% of the trace's unique blocks].")
+@click.option("--ssd-blocks", type=click.IntRange(min=0), default=None,
+              help="SSD capacity in blocks; 0 (default): no SSD.")
+@click.option("--dram-bytes", type=ByteSize(), default=None, help="DRAM capacity in bytes (e.g. 64GiB).")
+@click.option("--ssd-bytes", type=ByteSize(), default=None, help="SSD capacity in bytes (e.g. 2TB).")
+@click.option("--layers", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True, help="KV element type.")
+@click.option("--hidden", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Attention width (query heads x head dim).")
+@click.option("--params", type=click.FloatRange(min=0, min_open=True), default=8e9,
+              show_default=True, help="Weights per token (non-embedding parameters).")
+@click.option("--tflops", type=click.FloatRange(min=0, min_open=True), default=400.0,
+              show_default=True, help="Sustained prefill TFLOP/s of one instance.")
+@click.option("--dram-gbps", type=click.FloatRange(min=0, min_open=True), default=20.0,
+              show_default=True, help="DRAM -> accelerator read bandwidth, GB/s.")
+@click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, help="SSD read bandwidth, GB/s.")
+@click.option("--instances", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Prefill instances serving the queue.")
+@click.option("--sweep", is_flag=True,
+              help="Sweep DRAM capacity over --fractions of the trace's unique blocks.")
+@click.option("--fractions", default="0.01,0.02,0.05,0.1,0.2,0.3,0.5", show_default=True,
+              help="DRAM capacities of --sweep, as fractions of the unique blocks.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per run.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Draw hit ratio against DRAM capacity, one line per policy, to this PNG.")
+def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, ...],
+               dram_blocks: int | None, ssd_blocks: int | None, dram_bytes: int | None,
+               ssd_bytes: int | None, layers: int, kv_heads: int, head_dim: int, dtype: str,
+               hidden: int, params: float, tflops: float, dram_gbps: float, ssd_gbps: float,
+               instances: int, sweep: bool, fractions: str, as_json: bool,
+               plot_path: str | None) -> None:
+    """Replay a Mooncake-format TRACE through placement policies over DRAM (+ SSD)."""
+    from kvtier.bench.replay import ReplayConfig, replay
+    from kvtier.bench.replay import plot as plot_replay
+    from kvtier.bench.replay import sweep as sweep_replay
+    from kvtier.bench.trace import TraceError, load_trace
+    from kvtier.core.cost_model import ComputeModel
+    from kvtier.core.layout import KVLayout
+
+    names = [n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()]
+    try:
+        layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                          chunk_tokens=512)
+        compute = ComputeModel(num_layers=layers, hidden=hidden, params=params,
+                               flops=tflops * 1e12)
+        fracs = tuple(float(f) for f in fractions.split(","))
+        dram = _blocks(dram_blocks, dram_bytes, layout.chunk_bytes, "dram")
+        ssd = _blocks(ssd_blocks, ssd_bytes, layout.chunk_bytes, "ssd") or 0
+        tr = load_trace(trace)
+        if dram is None:
+            dram = max(1, tr.unique_blocks // 10)
+        configs = [ReplayConfig(policy=n, dram_blocks=dram, ssd_blocks=ssd, layout=layout,
+                                dram_read_GBps=dram_gbps, ssd_read_GBps=ssd_gbps,
+                                compute=compute, instances=instances) for n in names]
+        if sweep:
+            results = sweep_replay(tr, configs[0], names, fracs)
+        else:
+            results = [replay(tr, cfg) for cfg in configs]
+    except TraceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if plot_path:
+        plot_replay(results, tr.unique_blocks, plot_path)
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in results], indent=2))
+        return
+    table = Table(title=f"replay of {trace}: {len(tr.requests)} requests, "
+                        f"{tr.unique_blocks} unique blocks")
+    for col in ("policy", "DRAM blk", "SSD blk", "hit blk", "hit tok", "DRAM", "SSD",
+                "prefill saved", "TTFT mean s", "p50 s", "p99 s", "SSD wr", "SSD rd", "prefetch acc"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        table.add_row(r.policy, str(r.dram_blocks), str(r.ssd_blocks), f"{r.hit_ratio_blocks:.1%}",
+                      f"{r.hit_ratio_tokens:.1%}", f"{r.hit_ratio_dram:.1%}", f"{r.hit_ratio_ssd:.1%}",
+                      f"{r.prefill_saved:.1%}", f"{r.ttft_mean_s:.3f}", f"{r.ttft_p50_s:.3f}",
+                      f"{r.ttft_p99_s:.3f}", f"{r.ssd_bytes_written / 1e9:.0f} GB",
+                      f"{r.ssd_bytes_read / 1e9:.0f} GB",
+                      "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}")
+    Console().print(table)
+    if plot_path:
+        Console(stderr=True).print(f"plot written to {plot_path}")
