@@ -22,7 +22,7 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Copied
-from kvtier.tiers.base import EntryPinnedError, Tier, TierFullError
+from kvtier.tiers.base import EntryPinnedError, Reservation, Tier, TierFullError
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -183,14 +183,25 @@ class TierMover:
                         target.name, exc)
             return Copied.FAILED
         late: list[Future] = []
-        ok = source.get_into(key, res.buffer, late.append)
+        try:
+            ok = source.get_into(key, res.buffer, late.append)
+        except BaseException:
+            target.commit(res, ok=False)
+            raise
         if late:  # a read given up on may still write the reservation: it is abandoned after
-            late[0].add_done_callback(lambda _: target.commit(res, ok=False))
+            late[0].add_done_callback(lambda _: self._abandon(target, res))
             return Copied.SOURCE_LOST
         stored = target.commit(res, ok=ok)
         if not ok:
             return Copied.SOURCE_LOST
         return Copied.OK if stored else Copied.FAILED
+
+    @staticmethod
+    def _abandon(target: Tier, res: Reservation) -> None:
+        try:
+            target.commit(res, ok=False)
+        except ValueError:  # the tier was closed meanwhile: nothing left to release
+            log.debug("late abandon of chunk %s: %s already closed", res.key.hex(), target.name)
 
     def upload(self, key: ChunkKey, data: torch.Tensor,
                after: Callable[[], None] | None = None) -> bool:

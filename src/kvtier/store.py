@@ -453,8 +453,8 @@ class KVStore:
         if self.uploader is not None:
             self.uploader.flush(timeout=30)
             self.uploader.close()
-        with self._lock:
-            for tier in self.tiers:
+        with self._lock:  # the remote tier first: it waits for reads it gave up on into DRAM slots
+            for tier in reversed(self.tiers):
                 tier.close()
 
     def __enter__(self) -> Self:

@@ -53,6 +53,17 @@ def test_clairvoyant_evicts_the_least_saving_per_request_until_next_use():
     assert drain(p) == [k(4), k(1), k(0), k(3), k(2)]  # Belady would keep k(1) and drop k(2)
 
 
+def test_clairvoyant_drops_a_sequence_from_its_end():
+    ctx = TierContext(future={k(i): [5] for i in range(3)} | {k(9): [4]})
+    p = make_policy("clairvoyant", ctx)
+    p.begin(0, 0.0)
+    for i in (0, 1, 2, 9):
+        p.insert(k(i))
+    p.touch([k(0), k(1), k(2)])  # a prompt: all three are needed again at request 5
+    p.touch([k(9)])
+    assert drain(p)[:3] == [k(2), k(1), k(0)]  # deepest first: a prefix never goes before its tail
+
+
 def test_attentionstore_evicts_what_no_queued_request_needs_then_the_farthest_needed():
     p = AttentionStorePolicy()
     for i in range(4):

@@ -145,6 +145,33 @@ def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private, tmp
     tier.close()
 
 
+def test_closing_waits_for_a_read_given_up_on(mooncake_private):
+    """A read abandoned at its timeout still runs: closing the tier waits for it to end before
+    the client (and, in a store, the DRAM arena it writes into) goes away."""
+    import threading
+
+    from kvtier.core.layout import KVLayout
+    from kvtier.mover import TierMover
+    from kvtier.tiers.host import HostTier, HostTierConfig
+
+    mooncake_private.start()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
+    mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
+    assert tier.put(key(1), data(1), SEGMENT)
+    mooncake_private.holder.pause()
+    try:
+        mover.copy(key(1), 1, 0)
+        assert host.used == ENTRY
+        threading.Timer(1.0, mooncake_private.holder.resume).start()
+        t0 = time.monotonic()
+        tier.close()  # waits for the abandoned read (about 1 s), then closes the client
+        assert time.monotonic() - t0 > 0.5 and host.used == 0
+    finally:
+        mooncake_private.holder.resume()
+    host.close()
+
+
 def test_master_down_at_start_then_up(mooncake_private):
     t0 = time.monotonic()
     tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
@@ -176,17 +203,21 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
 
 def test_a_stalled_master_times_out_then_recovers(mooncake_private):
     mooncake_private.start()
-    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    prefix = unique_prefix()
+    tier = open_tier(mooncake_private.master_address, prefix=prefix, timeout_s=0.5, reconnect_interval_s=0.2)
+    reader = open_tier(mooncake_private.master_address, prefix=prefix, timeout_s=0.5, reconnect_interval_s=0.2)
     assert tier.put(key(1), data(1), SEGMENT)
     mooncake_private.master.pause()
     try:
         t0 = time.monotonic()
-        assert tier.get(key(1)) is None
-        assert not tier.contains(key(1))  # down: fails fast, no second wait
-        assert time.monotonic() - t0 < 1.2 and tier.stats.errors >= 1
+        assert reader.get(key(1)) is None  # it must ask the master where the chunk is
+        assert not reader.contains(key(1))  # down: fails fast, no second wait
+        assert time.monotonic() - t0 < 1.2 and reader.stats.errors >= 1
+        assert not tier.contains(key(1)) and tier.stats.errors >= 1
     finally:
         mooncake_private.master.resume()
-    assert torch.equal(wait_until(lambda: tier.get(key(1)), timeout_s=30), data(1))
+    assert torch.equal(wait_until(lambda: reader.get(key(1)), timeout_s=30), data(1))
+    reader.close()
     tier.close()
 
 

@@ -297,10 +297,9 @@ class MooncakeTier(RemoteTier):
 
     def get_into(self, key: ChunkKey, out: torch.Tensor, late: Callable[[Future], None]) -> bool:
         """Like :meth:`Tier.get_into`: the payload lands straight in ``out`` (registered with
-        Mooncake for the call) and is verified where it lies; the header goes to a staging
-        buffer. A call given up on a timeout keeps ``out`` (and the header buffer) registered
-        until it has ended, and hands its future to ``late``. Falls back to :meth:`get` (staging
-        and a copy) where ``out`` cannot take the read directly."""
+        Mooncake by the call itself, for its duration) and is verified where it lies; the header
+        goes to a staging buffer. A call given up on a timeout hands its future to ``late``.
+        Falls back to :meth:`get` (staging and a copy) where ``out`` cannot take the read."""
         key = check_key(key)
         if not (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
                 and out.is_contiguous() and out.numel() > 0):
@@ -318,29 +317,28 @@ class MooncakeTier(RemoteTier):
             if hlen < FIXED_BYTES + 16:  # not a payload of n bytes: let get() say what is wrong
                 return self.get(key, out=out) is not None
             head = self._conn.staging_for("get", hlen)
-            store = self._conn.store("get")
         except Unavailable:
             self.stats.misses += 1
             return False
-        if store.register_buffer(out.data_ptr(), n) != 0:  # e.g. shares a page with registered memory
-            self._conn.staging.give(head)
-            return self.get(key, out=out) is not None
-        def read(s: MooncakeDistributedStore) -> int:  # holds head and out while it runs
-            return s.batch_get_into_multi_buffers([name], [[head.data_ptr(), out.data_ptr()]], [[hlen, n]])[0]
 
-        def done(_: object) -> None:  # nothing writes the buffers any more
-            store.unregister_buffer(out.data_ptr())
-
-        def abandoned(future: Future) -> None:
-            future.add_done_callback(done)
-            late(future)
+        def read(s: MooncakeDistributedStore) -> int | None:
+            """Holds head and out (its closure) until it ends; None: out cannot be registered
+            (it shares a page with registered memory, say)."""
+            if s.register_buffer(out.data_ptr(), n) != 0:
+                return None
+            try:
+                return s.batch_get_into_multi_buffers([name], [[head.data_ptr(), out.data_ptr()]], [[hlen, n]])[0]
+            finally:
+                s.unregister_buffer(out.data_ptr())
 
         try:
-            got = self._call("get", read, head, abandoned)
+            got = self._call("get", read, head, late)
         except Unavailable:
             self.stats.misses += 1
             return False
-        done(None)
+        if got is None:
+            self._conn.staging.give(head)
+            return self.get(key, out=out) is not None
         try:
             if got < 0:
                 return self._missing(key, got) is not None

@@ -3,10 +3,11 @@ remote tiers promise, its error codes, and registered staging buffers."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -18,6 +19,9 @@ from kvtier.tiers.remote import BufferPool, Health
 from kvtier.tiers.remote_config import MooncakeTierConfig, parse_address
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 35.0
+"""How long ``close`` waits for calls given up on (Mooncake's own RPC and transfer timeouts are 30 s)."""
 
 ERRORS = {
     -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
@@ -44,7 +48,8 @@ def is_outage(rc: int) -> bool:
 
 class Staging(BufferPool):
     """Buffers registered with one Mooncake client (Mooncake transfers from and into registered
-    memory). A buffer handed to a call that was abandoned (timed out) is never given back."""
+    memory). A buffer handed to a call that was abandoned (timed out) is given back only once that
+    call has ended; one given back after the client closed is just dropped."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +61,10 @@ class Staging(BufferPool):
         if rc != 0:
             raise Unavailable(f"register_buffer of {size} bytes: {code_name(rc)}")
         return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        if self.store is not None:
+            super().give(buf)
 
     def _drop(self, buf: torch.Tensor) -> None:
         if self.store is not None:
@@ -79,6 +88,7 @@ class MooncakeConnection:
         self._workers = ThreadPoolExecutor(config.workers, thread_name_prefix="kvtier-mooncake")
         self._store: MooncakeDistributedStore | None = None
         self._lock = threading.Lock()
+        self._pending: set[Future] = set()  # calls given up on that may still run
         try:  # a master that is down is retried later, by the calls
             self.store("setup")
         except Unavailable:
@@ -128,7 +138,10 @@ class MooncakeConnection:
         try:
             result = future.result(timeout=self.config.timeout_s)
         except FutureTimeout:
-            future.cancel()
+            if not future.cancel():
+                with self._lock:
+                    self._pending.add(future)
+                future.add_done_callback(self._ended)
             if abandoned is not None:
                 abandoned(future)
             self.health.failed(what, f"no answer within {self.config.timeout_s}s")
@@ -136,18 +149,34 @@ class MooncakeConnection:
         except Exception as exc:  # a binding error is a failed call, not a crash
             self.health.failed(what, exc)
             raise Unavailable(what) from exc
-        rc = result[-1] if isinstance(result, tuple) else result
-        if isinstance(rc, int) and is_outage(rc):
-            self.health.failed(what, code_name(rc))
+        codes = result if isinstance(result, list) else [result[-1] if isinstance(result, tuple) else result]
+        failed = next((rc for rc in codes if isinstance(rc, int) and is_outage(rc)), None)
+        if failed is not None:
+            self.health.failed(what, code_name(failed))
             raise Unavailable(what)
         self.health.succeeded()
         return result
 
+    def _ended(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
     def close(self) -> None:
+        """Close the client once the calls given up on have ended (they may still write into
+        buffers registered with it), waiting at most ``CLOSE_WAIT_S``; past that the client is
+        left open, not closed under a running call."""
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            pending = list(self._pending)
+        _, running = wait(pending, timeout=CLOSE_WAIT_S)
         with self._lock:
             store, self._store = self._store, None
-        self._workers.shutdown(wait=False, cancel_futures=True)
-        if store is not None:
-            self.staging.clear()
-            self.staging.store = None
-            store.close()
+        if store is None:
+            return
+        if running:
+            log.warning("mooncake: %d calls given up on are still running; the client is left open",
+                        len(running))
+            return
+        self.staging.clear()
+        self.staging.store = None
+        store.close()

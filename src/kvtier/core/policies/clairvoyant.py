@@ -25,10 +25,17 @@ class ClairvoyantPolicy(OptimalPolicy):
         self._held: dict[ChunkKey, None] = {}
 
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+        """Prefix-aware: along a sequence a chunk is worth at least any later chunk (losing it
+        loses them), so a sequence's chunks share the deepest one's saving, and among equal
+        rates the deepest goes first."""
         ctx = self._ctx
-        for pos, key in enumerate(keys):
+        saving = 0.0
+        for pos in range(len(keys) - 1, -1, -1):
+            key = keys[pos]
+            own = ctx.miss_saving_s(pos) if cost_s is None else cost_s - ctx.chunk_load_s
+            saving = max(saving, own, 0.0)
             self._depth[key] = pos
-            self._saving[key] = ctx.miss_saving_s(pos) if cost_s is None else cost_s - ctx.chunk_load_s
+            self._saving[key] = saving
 
     def insert(self, key: ChunkKey) -> None:
         self._held[key] = None
@@ -37,21 +44,23 @@ class ClairvoyantPolicy(OptimalPolicy):
         self._held.pop(key, None)
 
     def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        found, lowest = None, float("inf")
-        fresh = None
+        found, lowest = None, (float("inf"), 0)
+        fresh = never = None
         for key in self._held:
             if not evictable(key):
                 continue
-            nxt = self._next_use(key)
-            if nxt == NEVER:
-                return key
+            depth = self._depth.get(key, 0)
+            if self._next_use(key) == NEVER:
+                if never is None or depth > self._depth.get(never, 0):
+                    never = key
+                continue
             # A chunk being saved is touched right after its insert: until then it stays.
-            rate = self._saving.get(key, float("inf")) / max(nxt - self._seq, 1)
+            rate = (self._saving.get(key, float("inf")) / max(self._next_use(key) - self._seq, 1), -depth)
             if rate < lowest:
                 found, lowest = key, rate
-            elif fresh is None and rate == float("inf"):
+            elif fresh is None and rate[0] == float("inf"):
                 fresh = key
-        return found if found is not None else fresh
+        return never or found or fresh
 
     def __len__(self) -> int:
         return len(self._held)
