@@ -51,6 +51,19 @@ def test_two_processes_see_each_others_chunks(mooncake_shared):
     b.close()
 
 
+def test_another_process_learns_an_entry_size_from_its_header(mooncake_shared):
+    prefix = unique_prefix()
+    a = open_tier(mooncake_shared.master_address, prefix=prefix)
+    b = open_tier(mooncake_shared.master_address, prefix=prefix)
+    assert a.put(key(1), data(1), SEGMENT)  # a short header
+    assert a.put(key(2), data(2, 1 << 20), 512)  # 2048 segments: a 16 KiB header, read in two steps
+    assert header_len(2048) > 4096
+    assert b.entry_bytes(key(1)) == ENTRY and b.entry_bytes(key(2)) == 1 << 20
+    assert b.entry_bytes(key(3)) is None
+    a.close()
+    b.close()
+
+
 def test_chunks_outlive_the_process_that_wrote_them(mooncake_shared):
     prefix = unique_prefix()
     with open_tier(mooncake_shared.master_address, prefix=prefix) as writer:

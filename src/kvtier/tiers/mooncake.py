@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 NO_AVAILABLE_HANDLE, INVALID_PARAMS = -200, -600
 REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS = -703, -704, -705
+HEAD_PEEK = 4096
+"""Bytes read to learn an object's header (that of a 32-layer chunk takes 312 bytes)."""
 ZERO_COPY_MIN = 64 << 10
 """Payloads from this size on are sent from the caller's memory, smaller ones copied."""
 
@@ -421,8 +423,10 @@ class MooncakeTier(RemoteTier):
             size = self._conn.call("entry_bytes", lambda s: s.get_size(name))
             if size < FIXED_BYTES:
                 return None
-            raw = self._read_head(name, FIXED_BYTES)  # the fixed part says how long the header is
-            raw = self._read_head(name, min(peek_header_len(raw), size))
+            raw = self._read_head(name, min(HEAD_PEEK, size))  # the whole header, mostly
+            hlen = peek_header_len(raw)
+            if hlen > len(raw):
+                raw = self._read_head(name, min(hlen, size))
             return ObjectHeader.decode(raw, key).nbytes
         except (Unavailable, CorruptObject):
             return None
