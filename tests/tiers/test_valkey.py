@@ -279,3 +279,19 @@ def test_tls_with_client_certificates_and_a_server_it_cannot_verify(valkey_stand
         assert wait_until(lambda: proxy.handshakes_failed >= failed + 2, timeout_s=10)
     finally:
         proxy.close()
+
+
+def test_puts_do_not_depend_on_how_valkey_py_packs_commands(valkey_standalone, monkeypatch):
+    """With libvalkey installed, valkey-py's packer copies a memoryview into one bytes object;
+    the tier's one-trip put packs its upload itself (it checksums the payload as it goes out)."""
+    import valkey.connection
+
+    real = valkey.connection.Connection.pack_command
+
+    def copying(self, *args):
+        return [b"".join(bytes(p) for p in real(self, *args))]
+
+    monkeypatch.setattr(valkey.connection.Connection, "pack_command", copying)
+    with open_tier([valkey_standalone.address]) as tier:
+        assert tier.put(key(1), data(1, 1 << 20), SEGMENT)
+        assert torch.equal(tier.get(key(1)), data(1, 1 << 20)) and tier.stats.corrupt == 0

@@ -32,7 +32,7 @@ from valkey.exceptions import NoScriptError
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers import valkey_lua as lua
 from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
-from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier
+from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier, segment_count
 from kvtier.tiers.remote_config import ValkeyTierConfig
 from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, bulks, overlapped
 
@@ -157,6 +157,8 @@ class ValkeyTier(RemoteTier):
             sums.extend(ObjectHeader.for_payload(key, part, seg).checksums)
 
         def script_call() -> bytes:  # once the whole payload is sent
+            if len(sums) != segment_count(len(view), seg):  # never publish a header that lies
+                raise RuntimeError(f"valkey: {len(sums)} checksums for {segment_count(len(view), seg)} segments")
             header = ObjectHeader(key, len(view), seg, tuple(sums)).encode()
             args.extend((tmp, hkey, dkey, key.hex(), charge, self.capacity, len(view), header))
             return self._put_head + bulks(*args)

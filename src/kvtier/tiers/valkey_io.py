@@ -39,25 +39,32 @@ def bulks(*args: bytes | str | int) -> bytes:
 
 def overlapped(client: valkey.Valkey, first: tuple[object, ...], then: Callable[[], bytes],
                piece: int = 0, sent: Callable[[memoryview], None] | None = None) -> tuple[object, object]:
-    """Send command ``first`` (a big upload, say: valkey-py sends a memoryview argument without
-    copying it), then the command ``then()`` packs (:func:`bulks`) while the server takes the
-    first, and read both replies, a server error as its exception object. With ``piece`` and
-    ``sent``, a memoryview argument goes out ``piece`` bytes at a time and ``sent(part)`` runs
-    after each part (it reads bytes still in this core's cache while the server takes them).
+    """Send command ``first`` (a big upload, say: a memoryview argument goes out without being
+    copied), then the command ``then()`` packs (:func:`bulks`) while the server takes the first,
+    and read both replies, a server error as its exception object. A memoryview argument goes
+    out ``piece`` bytes at a time (all at once without ``piece``), and ``sent(part)`` runs after
+    each part (it reads bytes still in this core's cache while the server takes them). The
+    command is packed here, not by valkey-py, whose C packer (with libvalkey) copies buffers.
     Standalone clients only; a broken connection is dropped, not reused."""
     pool = client.connection_pool
     conn = pool.get_connection(str(first[0]))
     try:
         conn.check_health()  # before the first byte: nothing may come between a command's parts
-        for item in conn.pack_command(*first):
-            if piece and sent is not None and isinstance(item, memoryview):
-                for at in range(0, len(item), piece):
-                    part = item[at : at + piece]
-                    conn.send_packed_command((part,), check_health=False)
+        head = b"*%d\r\n" % len(first)
+        for arg in first:
+            if not isinstance(arg, memoryview):
+                head += bulks(arg)  # type: ignore[arg-type]
+                continue
+            arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
+            conn.send_packed_command((head + b"$%d\r\n" % len(arg),), check_health=False)
+            step = piece or len(arg)
+            for at in range(0, len(arg), step):
+                part = arg[at : at + step]
+                conn.send_packed_command((part,), check_health=False)
+                if sent is not None:
                     sent(part)
-            else:
-                conn.send_packed_command((item,), check_health=False)
-        conn.send_packed_command((then(),), check_health=False)
+            head = b"\r\n"
+        conn.send_packed_command((head + then(),), check_health=False)
         replies: list[object] = []
         for _ in range(2):
             try:
