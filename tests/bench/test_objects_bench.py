@@ -8,7 +8,8 @@ from kvtier.bench.objects import KINDS, ObjectsBenchConfig, format_table, make_e
 def test_a_small_run_reports_every_policy_and_kind():
     cfg = ObjectsBenchConfig(requests=300, budgets=(0.1,), grid=4)
     (res,) = run(cfg)
-    assert set(res.saved_s) == {"cost", "lru", "best_partition", "phase_partitions", "clairvoyant"}
+    assert set(res.saved_s) == {"cost", "lru", "best_partition", "footprint_partition", "phase_partitions",
+                                "clairvoyant"}
     assert res.saved_s["phase_partitions"] >= res.saved_s["best_partition"]  # re-tuned per phase
     for policy, by_kind in res.saved_by_kind.items():
         assert set(by_kind) == set(KINDS)
