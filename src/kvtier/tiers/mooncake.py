@@ -37,7 +37,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from mooncake.store import MooncakeDistributedStore
@@ -58,7 +57,6 @@ __all__ = ["MooncakeTier", "MooncakeTierConfig"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 NO_AVAILABLE_HANDLE, INVALID_PARAMS = -200, -600
 REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS = -703, -704, -705
 HEAD_PEEK = 4096
@@ -185,7 +183,7 @@ class MooncakeTier(RemoteTier):
             return s.batch_put_session_end([name])[0]
 
         try:
-            rc = self._call("commit", upload, staging)
+            rc = self._conn.call("commit", upload, staging=staging)
         except Unavailable:
             self._revoke(name)
             return self._settle(res.key, None)
@@ -276,7 +274,7 @@ class MooncakeTier(RemoteTier):
             if size < 0:
                 return self._missing(key, size)
             staging = self._conn.staging_for("get", size)
-            got = self._call("get", lambda s: s.get_into(name, staging.data_ptr(), size), staging)
+            got = self._conn.call("get", lambda s: s.get_into(name, staging.data_ptr(), size), staging=staging)
         except Unavailable:
             self.stats.misses += 1
             return None
@@ -334,7 +332,7 @@ class MooncakeTier(RemoteTier):
                 s.unregister_buffer(out.data_ptr())
 
         try:
-            got = self._call("get", read, head, late)
+            got = self._conn.call("get", read, late, staging=head)
         except Unavailable:
             self.stats.misses += 1
             return False
@@ -361,27 +359,6 @@ class MooncakeTier(RemoteTier):
         self.stats.hits += 1
         self.stats.bytes_read += n
         return True
-
-    def _call(self, what: str, fn: Callable[[MooncakeDistributedStore], T], staging: torch.Tensor,
-              abandoned: Callable[[Future], None] | None = None) -> T:
-        """``self._conn.call`` for a call that uses ``staging`` (``fn`` must refer to it, which
-        keeps it alive while the call runs). When the call fails, ``staging`` goes back to the
-        pool: at once, or once the call has ended if it was given up on (it may still use it)."""
-        given_up: list[Future] = []
-
-        def on_abandon(future: Future) -> None:
-            given_up.append(future)
-            if abandoned is not None:
-                abandoned(future)
-
-        try:
-            return self._conn.call(what, fn, on_abandon)
-        except Unavailable:
-            if given_up:
-                given_up[0].add_done_callback(lambda _: self._conn.staging.give(staging))
-            else:
-                self._conn.staging.give(staging)
-            raise
 
     def _missing(self, key: ChunkKey, rc: int) -> None:
         if rc in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
@@ -434,10 +411,10 @@ class MooncakeTier(RemoteTier):
     def _read_head(self, name: str, nbytes: int) -> bytes:
         """The first ``nbytes`` of an object (one ranged read, not the whole object)."""
         head = self._conn.staging_for("entry_bytes", nbytes)
-        got = self._call(
+        got = self._conn.call(
             "entry_bytes",
             lambda s: s.get_into_ranges([head.data_ptr()], [[name]], [[[0]]], [[[0]]], [[[nbytes]]])[0][0][0],
-            head)
+            staging=head)
         try:
             if got != nbytes:
                 raise CorruptObject(f"read of the header failed: {code_name(got)}")

@@ -129,31 +129,44 @@ class MooncakeConnection:
         return self.staging.take(size)
 
     def call(self, what: str, fn: Callable[[MooncakeDistributedStore], T],
-             abandoned: Callable[[Future], None] | None = None) -> T:
+             abandoned: Callable[[Future], None] | None = None,
+             staging: torch.Tensor | None = None) -> T:
         """``fn(store)`` on a worker; Unavailable (counted, logged) if down, failing or late.
-        An int result (or last element) in Mooncake's outage range is a failure too. A call
-        given up on a timeout may still run: ``abandoned`` then gets its future (done once the
-        call has ended or was cancelled before it started)."""
-        future = self._workers.submit(fn, self.store(what))
+        An int result (or an element of a list, or the last of a tuple) in Mooncake's outage
+        range is a failure too. A call given up on a timeout may still run: ``abandoned`` then
+        gets its future (done once the call has ended or was cancelled before it started).
+        ``staging``: a buffer of :attr:`staging` that ``fn`` uses (and refers to, which keeps it
+        alive while the call runs); when the call fails it goes back to the pool, at once or,
+        for a call given up on, once that call has ended."""
+        running: Future | None = None
         try:
-            result = future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            if not future.cancel():
-                with self._lock:
-                    self._pending.add(future)
-                future.add_done_callback(self._ended)
-            if abandoned is not None:
-                abandoned(future)
-            self.health.failed(what, f"no answer within {self.config.timeout_s}s")
-            raise Unavailable(what) from None
-        except Exception as exc:  # a binding error is a failed call, not a crash
-            self.health.failed(what, exc)
-            raise Unavailable(what) from exc
-        codes = result if isinstance(result, list) else [result[-1] if isinstance(result, tuple) else result]
-        failed = next((rc for rc in codes if isinstance(rc, int) and is_outage(rc)), None)
-        if failed is not None:
-            self.health.failed(what, code_name(failed))
-            raise Unavailable(what)
+            future = self._workers.submit(fn, self.store(what))
+            try:
+                result = future.result(timeout=self.config.timeout_s)
+            except FutureTimeout:
+                if not future.cancel():
+                    running = future
+                    with self._lock:
+                        self._pending.add(future)
+                    future.add_done_callback(self._ended)
+                if abandoned is not None:
+                    abandoned(future)
+                self.health.failed(what, f"no answer within {self.config.timeout_s}s")
+                raise Unavailable(what) from None
+            except Exception as exc:  # a binding error is a failed call, not a crash
+                self.health.failed(what, exc)
+                raise Unavailable(what) from exc
+            codes = result if isinstance(result, list) else [result[-1] if isinstance(result, tuple) else result]
+            failed = next((rc for rc in codes if isinstance(rc, int) and is_outage(rc)), None)
+            if failed is not None:
+                self.health.failed(what, code_name(failed))
+                raise Unavailable(what)
+        except Unavailable:
+            if staging is not None and running is not None:
+                running.add_done_callback(lambda _: self.staging.give(staging))
+            elif staging is not None:
+                self.staging.give(staging)
+            raise
         self.health.succeeded()
         return result
 

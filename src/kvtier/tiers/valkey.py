@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 _PIECE = 512 << 10
 """A put sends its payload about this many bytes (whole segments) at a time and checksums each
-piece right after sending it, while its bytes are still in the core's cache and the server takes
-them: cheaper than checksumming the whole payload before or after the upload (which reads it
-from memory again), for a few more system calls."""
+piece right after sending it (the last one just before: it leaves with the script call), while
+its bytes are still in the core's cache and the server takes them: cheaper than checksumming the
+whole payload before or after the upload (which reads it from memory again)."""
 
 
 class ValkeyTier(RemoteTier):
@@ -142,8 +142,7 @@ class ValkeyTier(RemoteTier):
 
     def _put_at_once(self, key: ChunkKey, src: torch.Tensor, segment_bytes: int | None) -> bool:
         """A standalone put in one round trip: the payload goes to a temporary key that expires,
-        piece by piece with the checksums of each piece computed right after it is sent (see
-        ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload into
+        piece by piece, checksummed as it goes (see ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload into
         place and stores the header, or drops the payload. Costs an upload when refused (the
         tier is full: the caller evicts anyway)."""
         key, seg, charge = self._check_request(key, src.numel(), segment_bytes)

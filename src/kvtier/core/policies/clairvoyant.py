@@ -49,13 +49,13 @@ class ClairvoyantPolicy(OptimalPolicy):
         for key in self._held:
             if not evictable(key):
                 continue
-            depth = self._depth.get(key, 0)
-            if self._next_use(key) == NEVER:
+            depth, nxt = self._depth.get(key, 0), self._next_use(key)
+            if nxt == NEVER:
                 if never is None or depth > self._depth.get(never, 0):
                     never = key
                 continue
             # A chunk being saved is touched right after its insert: until then it stays.
-            rate = (self._saving.get(key, float("inf")) / max(self._next_use(key) - self._seq, 1), -depth)
+            rate = (self._saving.get(key, float("inf")) / max(nxt - self._seq, 1), -depth)
             if rate < lowest:
                 found, lowest = key, rate
             elif fresh is None and rate[0] == float("inf"):
