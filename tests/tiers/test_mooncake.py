@@ -12,7 +12,7 @@ from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig
 from kvtier.tiers.remote import header_len
 from tests.remote_servers import unique_prefix, wait_until
 
-from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
+from .tier_contract import ENTRY, SEGMENT, TierContract, data, key, try_put
 
 PER_ENTRY = header_len(ENTRY // SEGMENT) + ENTRY
 
@@ -130,20 +130,28 @@ def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared
     reader.close()
 
 
-def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private, tmp_path):
-    """The holder of the bytes stalls mid-read: the read is a miss within the timeout, and the
-    DRAM slot it was reading into stays reserved until the abandoned call has ended."""
+def _promotion_with_the_holder_stalled(servers):
+    """A Mooncake tier (0.5 s timeout) holding chunk 1 below a DRAM tier, a mover between
+    them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
     from kvtier.core.layout import KVLayout
-    from kvtier.core.placement import Copied
     from kvtier.mover import TierMover
     from kvtier.tiers.host import HostTier, HostTierConfig
 
-    mooncake_private.start()
-    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    servers.start()
+    tier = open_tier(servers.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
     host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
     mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
     assert tier.put(key(1), data(1), SEGMENT)
-    mooncake_private.holder.pause()
+    servers.holder.pause()
+    return tier, host, mover
+
+
+def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private):
+    """The holder of the bytes stalls mid-read: the read is a miss within the timeout, and the
+    DRAM slot it was reading into stays reserved until the abandoned call has ended."""
+    from kvtier.core.placement import Copied
+
+    tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
         t0 = time.monotonic()
         assert mover.copy(key(1), 1, 0) is Copied.SOURCE_LOST
@@ -163,16 +171,7 @@ def test_closing_waits_for_a_read_given_up_on(mooncake_private):
     the client (and, in a store, the DRAM arena it writes into) goes away."""
     import threading
 
-    from kvtier.core.layout import KVLayout
-    from kvtier.mover import TierMover
-    from kvtier.tiers.host import HostTier, HostTierConfig
-
-    mooncake_private.start()
-    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
-    host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
-    mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
-    assert tier.put(key(1), data(1), SEGMENT)
-    mooncake_private.holder.pause()
+    tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
         mover.copy(key(1), 1, 0)
         assert host.used == ENTRY
@@ -194,7 +193,7 @@ def test_master_down_at_start_then_up(mooncake_private):
         tier.put(key(1), data(1), SEGMENT)
     assert tier.stats.misses == 1 and tier.stats.errors >= 1
     mooncake_private.start()
-    wait_until(lambda: _try_put(tier, 1), timeout_s=30)
+    wait_until(lambda: try_put(tier, 1), timeout_s=30)
     assert torch.equal(tier.get(key(1)), data(1))
     tier.close()
 
@@ -208,7 +207,7 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
     assert tier.get(key(1)) is None
     assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
     mooncake_private.master.start()  # same port; the objects it knew are gone
-    wait_until(lambda: _try_put(tier, 2), timeout_s=30)
+    wait_until(lambda: try_put(tier, 2), timeout_s=30)
     assert torch.equal(tier.get(key(2)), data(2))
     assert tier.get(key(1)) is None and tier.keys() == [key(2)]
     tier.close()
@@ -232,13 +231,6 @@ def test_a_stalled_master_times_out_then_recovers(mooncake_private):
     assert torch.equal(wait_until(lambda: reader.get(key(1)), timeout_s=30), data(1))
     reader.close()
     tier.close()
-
-
-def _try_put(tier: MooncakeTier, i: int) -> bool:
-    try:
-        return tier.put(key(i), data(i), SEGMENT)
-    except TierFullError:
-        return False
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from kvtier.tiers.remote import header_len
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
 from tests.remote_servers import TLSProxy, unique_prefix, wait_until
 
-from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
+from .tier_contract import ENTRY, SEGMENT, TierContract, data, key, try_put
 
 PER_ENTRY = header_len(ENTRY // SEGMENT) + ENTRY
 
@@ -116,7 +116,7 @@ def test_server_down_at_start_then_up(valkey_private):
         tier.put(key(1), data(1), SEGMENT)
     assert tier.stats.misses == 1 and tier.stats.errors >= 1
     valkey_private.start()
-    wait_until(lambda: _try_put(tier, 1))
+    wait_until(lambda: try_put(tier, 1))
     assert torch.equal(tier.get(key(1)), data(1))
     tier.close()
 
@@ -131,7 +131,7 @@ def test_server_killed_mid_run_then_restarted(valkey_private):
     assert time.monotonic() - t0 < 1.5
     assert tier.stats.errors >= 1
     valkey_private.process.start()  # same port, empty (no persistence)
-    wait_until(lambda: _try_put(tier, 2))
+    wait_until(lambda: try_put(tier, 2))
     assert tier.get(key(1)) is None and torch.equal(tier.get(key(2)), data(2))
     tier.close()
 
@@ -211,13 +211,6 @@ def test_a_cluster_node_killed_loses_only_its_chunks(tmp_path):
 def test_tls_against_a_plaintext_server_is_a_counted_failure(valkey_standalone):
     with open_tier([valkey_standalone.address], ssl=True, timeout_s=0.5) as tier:
         assert tier.get(key(1)) is None and tier.stats.errors == 1
-
-
-def _try_put(tier: ValkeyTier, i: int) -> bool:
-    try:
-        return tier.put(key(i), data(i), SEGMENT)
-    except TierFullError:
-        return False
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,14 @@ def data(i: int, n: int = ENTRY) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
 
 
+def try_put(tier: Tier, i: int) -> bool:
+    """Put entry ``i``; False while the tier refuses (a remote tier whose server is down)."""
+    try:
+        return tier.put(key(i), data(i), SEGMENT)
+    except TierFullError:
+        return False
+
+
 class TierContract:
     def make_tier(self, capacity_entries: int) -> Tier:
         raise NotImplementedError
