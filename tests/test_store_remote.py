@@ -51,20 +51,39 @@ def remote(request, tmp_path):
         MooncakeTierConfig(servers.master_address, 64 << 20, prefix=prefix), write=write)
 
 
+def counting(tier, method: str) -> list[int]:
+    """Count calls of ``tier.method`` (a wrapper around the real method: nothing is faked).
+    Returns the list of batch sizes it was called with."""
+    sizes: list[int] = []
+    real = getattr(tier, method)
+
+    def wrapper(keys, *args, **kw):
+        sizes.append(len(keys))
+        return real(keys, *args, **kw)
+
+    setattr(tier, method, wrapper)
+    return sizes
+
+
 def test_turn_one_on_machine_a_turn_two_on_machine_b_hits_the_remote_tier(layout, tmp_path, remote):
+    """Turn 1 through store A, turn 2 through store B: B's hit is in the remote tier, moved in
+    batches (B's three promotions in one get_many_into)."""
     turn1 = list(range(3 * C))
     kv = make_kv(layout, 3 * C, seed=5)
     with store_on(layout, remote(), disk_path=tmp_path / "a") as a:
+        puts = counting(a.remote, "put_many")
         assert a.save(turn1, kv).stored == 3
         assert a.flush(timeout=10)
-        assert a.snapshot()["uploads"]["uploaded"] == 3
+        assert a.snapshot()["uploads"]["uploaded"] == 3 and sum(puts) == 3
     turn2 = turn1 + list(range(900, 900 + C))
     with store_on(layout, remote(), disk_path=tmp_path / "b") as b:
         hit = b.lookup(turn2)
         remote_name = b.remote.name
         assert hit.hit_tokens == 3 * C and hit.tiers == [remote_name] * 3
+        reads = counting(b.remote, "get_many_into")
         loaded = b.load(hit)
         assert loaded.tokens == 3 * C and b.snapshot()["promotions"] == 3  # into B's DRAM
+        assert reads == [3]  # one batch, not a read a chunk
         assert_same(loaded, kv, 3 * C)
         assert b.lookup(turn2).tiers == ["host"] * 3
 

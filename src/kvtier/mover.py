@@ -22,13 +22,15 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Copied
-from kvtier.tiers.base import EntryPinnedError, Reservation, Tier, TierFullError
+from kvtier.tiers.base import EntryExistsError, EntryPinnedError, Reservation, Tier, TierFullError
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
 EVICT_ROUNDS = 4
 EVICT_BATCH = 8
+UPLOAD_BATCH = 8
+"""Queued chunks the uploader writes in one ``put_many`` (one round trip) at most."""
 
 
 @dataclass(slots=True)
@@ -52,7 +54,9 @@ class _Upload:
 
 
 class Uploader:
-    """One thread writing queued chunks into a remote tier, in order."""
+    """One thread writing queued chunks into a remote tier, in order, up to ``UPLOAD_BATCH``
+    of them in one batch: one ``contains_many`` (chunks another instance already uploaded are
+    not sent again) and one ``put_many``."""
 
     def __init__(self, tier: Tier, segment_bytes: int, max_queued: int) -> None:
         self.tier = tier
@@ -89,27 +93,60 @@ class Uploader:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ok = False
+        stop = False
+        while not stop and (item := self._queue.get()) is not None:
+            batch = [item]
+            while len(batch) < UPLOAD_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
             try:
-                ok = self._put(item)
-            except Exception:  # never let one upload kill the thread
-                log.exception("upload of chunk %s to the remote tier failed", item.key.hex())
-            with self._lock:
-                if ok:
-                    self.stats.uploaded += 1
-                else:
-                    self.stats.failed += 1
-            try:
-                item.done(ok)
-            finally:
-                with self._idle:
-                    self._pending.discard(item.key)
-                    self._idle.notify_all()
+                outcomes = self._put_batch(batch)
+            except Exception:  # never let one batch kill the thread
+                log.exception("upload of %d chunks to the remote tier failed", len(batch))
+                outcomes = [False] * len(batch)
+            for item, ok in zip(batch, outcomes, strict=True):
+                self._finish(item, ok)
+
+    def _finish(self, item: _Upload, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self.stats.uploaded += 1
+            else:
+                self.stats.failed += 1
+        try:
+            item.done(ok)
+        except Exception:
+            log.exception("after the upload of chunk %s", item.key.hex())
+        finally:
+            with self._idle:
+                self._pending.discard(item.key)
+                self._idle.notify_all()
+
+    def _put_batch(self, batch: list[_Upload]) -> list[bool]:
+        """Upload a batch; per chunk whether the remote tier holds it now. A chunk the full
+        tier refused goes through :meth:`_put`, which makes room."""
+        tier = self.tier
+        held = tier.contains_many([item.key for item in batch])
+        todo = [i for i, h in enumerate(held) if not h]
+        outcomes = list(held)
+        if not todo:
+            return outcomes
+        results = tier.put_many([batch[i].key for i in todo], [batch[i].data for i in todo], self.segment_bytes)
+        for i, result in zip(todo, results, strict=True):
+            if isinstance(result, EntryExistsError):  # being written by another instance right now
+                log.info("remote tier did not take chunk %s: %s", batch[i].key.hex(), result)
+            outcomes[i] = self._put(batch[i]) if isinstance(result, TierFullError) else result is True
+        return outcomes
 
     def _put(self, item: _Upload) -> bool:
-        """Upload one chunk. A full remote tier gives up its oldest chunks (first written,
-        first out, whoever wrote them: it is shared) to make room, a few at a time."""
+        """Upload one chunk the full remote tier refused: it gives up its oldest chunks (first
+        written, first out, whoever wrote them: it is shared) to make room, a few at a time."""
         tier = self.tier
         for _ in range(EVICT_ROUNDS):
             if tier.contains(item.key):
@@ -148,11 +185,11 @@ class TierMover:
         self.remote_level = len(tiers) - 1 if uploader is not None else None
         self._uploaded = uploaded
 
-    def has_room(self, level: int) -> bool:
+    def has_room(self, level: int, count: int = 1) -> bool:
         if level == self.remote_level:
             return True  # the uploader makes room in the shared tier (it may be full only later)
         tier = self.tiers[level]
-        return tier.free >= tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
+        return tier.free >= count * tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self.tiers[level].is_pinned(key)
@@ -195,6 +232,65 @@ class TierMover:
         if not ok:
             return Copied.SOURCE_LOST
         return Copied.OK if stored else Copied.FAILED
+
+    def copy_many(self, keys: Sequence[ChunkKey], src: int, dst: int) -> list[Copied]:
+        """:meth:`copy` of each key; chunks read from a lower tier are read with one
+        ``get_many_into`` (one round trip to the remote tier) straight into the destination's
+        reservations, which are sized for the store's chunks."""
+        if len(keys) < 2 or src == 0 or dst == self.remote_level:
+            return [self.copy(key, src, dst) for key in keys]
+        source, target = self.tiers[src], self.tiers[dst]
+        results = [Copied.FAILED] * len(keys)
+        held: list[tuple[int, Reservation]] = []
+        for i, key in enumerate(keys):
+            try:
+                held.append((i, target.reserve(key, self.layout.chunk_bytes, self.layout.layer_bytes)))
+            except (TierFullError, ValueError) as exc:
+                log.warning("copying chunk %s from %s to %s failed: %s", key.hex(), source.name,
+                            target.name, exc)
+        late: list[Future] = []
+        try:
+            oks = source.get_many_into([keys[i] for i, _ in held], [res.buffer for _, res in held], late.append)
+        except ValueError:  # an entry of another size: one by one, each sized by its source
+            for _, res in held:
+                target.commit(res, ok=False)
+            return [self.copy(key, src, dst) if not failed else Copied.FAILED
+                    for key, failed in zip(keys, self._unreserved(len(keys), held), strict=True)]
+        except BaseException:
+            for _, res in held:
+                target.commit(res, ok=False)
+            raise
+        unread = [res for (_, res), ok in zip(held, oks, strict=True) if not ok]
+        if late:  # reads given up on may still write the unread reservations: abandoned after
+            self._abandon_after(late, target, unread)
+        for (i, res), ok in zip(held, oks, strict=True):
+            if not ok:
+                if not late:
+                    target.commit(res, ok=False)
+                results[i] = Copied.SOURCE_LOST
+            else:
+                results[i] = Copied.OK if target.commit(res, ok=True) else Copied.FAILED
+        return results
+
+    @staticmethod
+    def _unreserved(n: int, held: list[tuple[int, Reservation]]) -> list[bool]:
+        reserved = {i for i, _ in held}
+        return [i not in reserved for i in range(n)]
+
+    def _abandon_after(self, late: list[Future], target: Tier, unread: list[Reservation]) -> None:
+        """Release ``unread`` once every call in ``late`` has ended."""
+        lock, left = threading.Lock(), [len(late)]
+
+        def ended(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                for res in unread:
+                    self._abandon(target, res)
+
+        for future in late:
+            future.add_done_callback(ended)
 
     @staticmethod
     def _abandon(target: Tier, res: Reservation) -> None:

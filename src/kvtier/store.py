@@ -211,6 +211,10 @@ class KVStore:
                 raise ValueError(f"out holds {got} tokens, the hit has {hit.hit_tokens}")
         loaded_from: list[str] = []
         with self._lock:
+            if promote and self.remote_level is not None:  # one round trip a run, not one a chunk
+                lost = self.placement.stats.lost
+                self.placement.promote_prefix(hit.keys, level=self.remote_level)
+                self.stats.load_failures += self.placement.stats.lost - lost
             for i, key in enumerate(hit.keys):
                 source = self._read_chunk(key, out, i, wanted, promote)
                 if source is None:

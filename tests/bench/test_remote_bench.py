@@ -7,7 +7,7 @@ from kvtier.bench import servers
 from kvtier.bench.remote import RATIO_TARGET, RemoteBenchConfig, run_remote_bench
 from kvtier.cli import main
 
-ROW_KEYS = {"backend", "size_bytes", "put_GBps", "raw_put_GBps", "get_GBps", "raw_get_GBps",
+ROW_KEYS = {"backend", "size_bytes", "mode", "put_GBps", "raw_put_GBps", "get_GBps", "raw_get_GBps",
             "put_ratio", "get_ratio"}
 
 
@@ -24,11 +24,11 @@ def test_both_backends_with_tiny_objects_give_positive_ratios():
     result = run_remote_bench(RemoteBenchConfig(sizes=(64 << 10, 256 << 10), count=3, rounds=1))
     out = json.loads(json.dumps(result.as_dict()))
     assert out["target_ratio"] == RATIO_TARGET and out["count"] == 3 and out["rounds"] == 1
-    assert [(r["backend"], r["size_bytes"]) for r in out["rows"]] == [
-        ("valkey", 64 << 10), ("valkey", 256 << 10), ("mooncake", 64 << 10), ("mooncake", 256 << 10)]
+    assert [(r["backend"], r["size_bytes"], r["mode"]) for r in out["rows"]] == [
+        (b, s, m) for b in ("valkey", "mooncake") for s in (64 << 10, 256 << 10) for m in ("each", "batch")]
     for row in out["rows"]:
         assert set(row) == ROW_KEYS
-        assert all(row[k] > 0 for k in ROW_KEYS - {"backend", "size_bytes"})
+        assert all(row[k] > 0 for k in ROW_KEYS - {"backend", "size_bytes", "mode"})
         assert row["put_ratio"] == pytest.approx(row["put_GBps"] / row["raw_put_GBps"])
 
 
@@ -38,7 +38,8 @@ def test_the_command_prints_json_and_a_table():
                                "--count", "2", "--rounds", "1", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output)["rows"]
-    assert [(r["backend"], r["size_bytes"]) for r in rows] == [("valkey", 1 << 20)]
+    assert [(r["backend"], r["size_bytes"], r["mode"]) for r in rows] == [("valkey", 1 << 20, "each"),
+                                                                       ("valkey", 1 << 20, "batch")]
     assert rows[0]["get_ratio"] > 0
     res = runner.invoke(main, ["bench", "remote", "--backend", "valkey", "--sizes", "1",
                                "--count", "1", "--rounds", "1"])

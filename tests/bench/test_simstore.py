@@ -39,6 +39,29 @@ def test_prefetch_brings_a_queued_request_into_dram_and_is_counted_when_it_hits(
     assert (place.placement.stats.prefetched, place.placement.stats.prefetch_hits) == (2, 2)
 
 
+def test_a_run_held_in_one_tier_is_promoted_in_one_batch_when_dram_takes_it_whole():
+    place = SimStore(SimConfig("lru", dram_chunks=3, ssd_chunks=8))
+    place.save([k(0), k(1), k(2)])
+    place.save([k(3), k(4), k(5)])  # 0, 1, 2 go down to SSD
+    batches: list[int] = []
+    real = place.mover.copy_many
+    place.mover.copy_many = lambda keys, src, dst: batches.append(len(keys)) or real(keys, src, dst)
+    assert place.prefetch([k(0), k(1), k(2), k(9)]) == 3
+    assert batches == [3] and place.placement.stats.promotions == 3
+    assert all(place.placement.index.fastest(k(i)) == 0 for i in range(3))
+    # a run DRAM cannot take whole: one chunk after the other (each evicting the one before)
+    place.save([k(6), k(7), k(8)])
+    batches.clear()
+    assert place.placement.promote_prefix([k(i) for i in range(6)]) == 6
+    assert all(n <= 3 for n in batches) and place.placement.stats.promotions > 3
+    # only the runs of one tier, only whole: nothing to do when DRAM cannot take the run
+    small = SimStore(SimConfig("lru", dram_chunks=2, ssd_chunks=8))
+    for i in range(0, 6, 2):
+        small.save([k(i), k(i + 1)])
+    assert small.placement.promote_prefix([k(i) for i in range(4)], level=1) == 0
+    assert small.placement.stats.promotions == 0 and small.placement.index.fastest(k(0)) == 1
+
+
 @pytest.mark.parametrize("kw", [{"policy": "fifo"}, {"dram_chunks": 0}, {"ssd_chunks": -1}])
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):

@@ -131,7 +131,7 @@ def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared
 
 
 def _promotion_with_the_holder_stalled(servers):
-    """A Mooncake tier (0.5 s timeout) holding chunk 1 below a DRAM tier, a mover between
+    """A Mooncake tier (0.5 s timeout) holding chunks 1 and 2 below a DRAM tier, a mover between
     them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
     from kvtier.core.layout import KVLayout
     from kvtier.mover import TierMover
@@ -141,7 +141,7 @@ def _promotion_with_the_holder_stalled(servers):
     tier = open_tier(servers.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
     host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
     mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
-    assert tier.put(key(1), data(1), SEGMENT)
+    assert tier.put_many([key(1), key(2)], [data(1), data(2)], SEGMENT) == [True, True]
     servers.holder.pause()
     return tier, host, mover
 
@@ -162,6 +162,24 @@ def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private):
     wait_until(lambda: host.used == 0, timeout_s=30)  # released once the call ended
     assert wait_until(lambda: mover.copy(key(1), 1, 0) is Copied.OK, timeout_s=30)
     assert torch.equal(host.get(key(1)), data(1))
+    host.close()
+    tier.close()
+
+
+def test_a_batched_read_given_up_on_keeps_all_its_buffers_until_it_ends(mooncake_private):
+    from kvtier.core.placement import Copied
+
+    tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
+    try:
+        t0 = time.monotonic()
+        assert mover.copy_many([key(1), key(2)], 1, 0) == [Copied.SOURCE_LOST] * 2
+        assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
+        assert host.used == 2 * ENTRY and len(host) == 0  # both slots held, not reused
+    finally:
+        mooncake_private.holder.resume()
+    wait_until(lambda: host.used == 0, timeout_s=30)  # released once the call ended
+    assert wait_until(lambda: mover.copy_many([key(1), key(2)], 1, 0) == [Copied.OK] * 2, timeout_s=30)
+    assert torch.equal(host.get(key(1)), data(1)) and torch.equal(host.get(key(2)), data(2))
     host.close()
     tier.close()
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from kvtier.tiers.base import EntryPinnedError, Tier, TierFullError
+from kvtier.tiers.base import EntryExistsError, EntryPinnedError, Tier, TierFullError
 
 ENTRY = 16384
 SEGMENT = 4096
@@ -109,6 +109,42 @@ class TierContract:
         with pytest.raises(ValueError, match="already"):
             tier.put(key(1), data(2))
         assert torch.equal(tier.get(key(1)), data(1))
+
+    def test_put_many_stores_each_and_reports_each_outcome(self, tier):
+        assert tier.put(key(1), data(1), SEGMENT)
+        got = tier.put_many([key(0), key(1), key(2)], [data(0), data(9), data(2)], SEGMENT)
+        assert got[0] is True and got[2] is True
+        assert isinstance(got[1], EntryExistsError) and "already" in str(got[1])
+        for i in range(3):
+            assert torch.equal(tier.get(key(i)), data(i))  # the refused entry kept the first bytes
+        assert tier.put_many([], [], SEGMENT) == []
+        more = tier.put_many([key(i) for i in range(3, 12)], [data(i) for i in range(3, 12)], SEGMENT)
+        assert True in more and any(isinstance(r, TierFullError) for r in more)  # past capacity
+        assert tier.used <= tier.capacity
+        assert tier.keys()[:3] == [key(1), key(0), key(2)]
+
+    def test_put_many_with_bad_arguments_writes_nothing(self, tier):
+        with pytest.raises(ValueError, match="keys"):
+            tier.put_many([key(1), key(2)], [data(1)], SEGMENT)
+        with pytest.raises(ValueError):
+            tier.put_many([key(1), key(2)], [data(1), data(2, tier.capacity + 1)], SEGMENT)
+        with pytest.raises(TypeError):
+            tier.put_many([key(1), b"short"], [data(1), data(2)], SEGMENT)
+        assert tier.keys() == [] and tier.used == 0
+
+    def test_get_many_into_reads_each_and_misses_what_is_absent(self, tier):
+        assert tier.put_many([key(0), key(2)], [data(0), data(2)], SEGMENT) == [True, True]
+        outs = [torch.zeros(ENTRY, dtype=torch.uint8) for _ in range(3)]
+        late: list = []
+        assert tier.get_many_into([key(0), key(1), key(2)], outs, late.append) == [True, False, True]
+        assert torch.equal(outs[0], data(0)) and torch.equal(outs[2], data(2)) and not late
+        assert tier.stats.hits == 2 and tier.stats.misses == 1
+        odd = torch.zeros(2 * ENTRY, dtype=torch.uint8)[::2]  # not contiguous: read another way
+        assert tier.get_many_into([key(2), key(0)], [odd, outs[1]], late.append) == [True, True]
+        assert torch.equal(odd, data(2)) and torch.equal(outs[1], data(0))
+        assert tier.get_many_into([], [], late.append) == []
+        with pytest.raises(ValueError):
+            tier.get_many_into([key(0)], [], late.append)
 
     def test_full_tier_refuses_and_delete_frees_room(self, tier):
         n = 0

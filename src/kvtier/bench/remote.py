@@ -13,10 +13,15 @@ loopback servers (:mod:`kvtier.bench.servers`) and, per object size, moves ``cou
 - raw Mooncake: ``put_from(name, src_i)`` and ``get_into(name, dst_i)``, zero-copy from and into
   buffers registered once up front (the best case of Mooncake's Python API).
 
+and, in batches (how the store's uploader and its promotions from the remote tier move chunks),
+all ``count`` objects in one call: ``tier.put_many`` / ``tier.get_many_into`` against a
+valkey-py pipeline of the SETs / GETs (no transaction) and Mooncake's ``batch_put_from`` /
+``batch_get_into``.
+
 Both sides use distinct source and destination tensors of the same sizes. A warm-up round (not
 kept) comes first; then each of ``rounds`` rounds times four phases (kvtier put, raw put,
-kvtier get, raw get), the two sides taking turns object by object (who goes first alternating),
-and deletes everything untimed. The figure of a phase is the median of its rounds; throughput is payload bytes / time in GB/s
+kvtier get, raw get), the two sides taking turns object by object or batch by batch (who goes
+first alternating), and deletes everything untimed. The figure of a phase is the median of its rounds; throughput is payload bytes / time in GB/s
 (1e9 bytes/s) and each ratio is kvtier / raw. A miss or a failed write raises BenchError.
 """
 
@@ -66,10 +71,15 @@ class RemoteBenchConfig:
                 raise ValueError(f"{field} must be a positive int, got {v!r}")
 
 
+MODES = ("each", "batch")
+"""One call an object, or all ``count`` objects in one call."""
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteBenchRow:
     backend: str
     size_bytes: int
+    mode: str
     put_GBps: float
     raw_put_GBps: float
     get_GBps: float
@@ -102,6 +112,8 @@ class RemoteBenchResult:
 class _Side(Protocol):
     def put(self, i: int) -> None: ...
     def get(self, i: int) -> None: ...
+    def put_all(self) -> None: ...
+    def get_all(self) -> None: ...
     def check(self) -> None: ...
     def clear(self) -> None: ...
 
@@ -126,6 +138,15 @@ class _TierSide:
     def get(self, i: int) -> None:
         if not self.tier.get_into(self._key(i), self.dst[i], self._late):
             raise BenchError(f"{self.tier.name}: get {i} missed")
+
+    def put_all(self) -> None:
+        got = self.tier.put_many([self._key(i) for i in range(self.count)], self.src, self.seg)
+        if got != [True] * self.count:
+            raise BenchError(f"{self.tier.name}: put_many failed: {got}")
+
+    def get_all(self) -> None:
+        if not all(self.tier.get_many_into([self._key(i) for i in range(self.count)], self.dst, self._late)):
+            raise BenchError(f"{self.tier.name}: get_many_into missed")
 
     def _late(self, _: object) -> None:
         raise BenchError(f"{self.tier.name}: a read timed out")
@@ -159,6 +180,22 @@ class _RawValkey:
             raise BenchError(f"valkey raw: get {i} missed")
         self.dst[i][:] = got
 
+    def put_all(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, src in zip(self.names, self.src, strict=True):
+            pipe.set(name, src)
+        pipe.execute()
+
+    def get_all(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name in self.names:
+            pipe.get(name)
+        got = self.got = pipe.execute()
+        for i, value in enumerate(got):
+            if value is None:
+                raise BenchError(f"valkey raw: get {i} missed")
+            self.dst[i][:] = value
+
     def check(self) -> None:
         if any(d != s for d, s in zip(self.dst, self.src, strict=True)):
             raise BenchError("valkey raw: read back different bytes")
@@ -189,6 +226,15 @@ class _RawMooncake:
         if self.store.get_into(self.names[i], self.dst[i].data_ptr(), self.size) != self.size:
             raise BenchError(f"mooncake raw: get {i} missed")
 
+    def put_all(self) -> None:
+        if self.store.batch_put_from(self.names, [t.data_ptr() for t in self.src], [self.size] * len(self.src)) != [0] * len(self.src):
+            raise BenchError("mooncake raw: batch_put_from failed")
+
+    def get_all(self) -> None:
+        n = len(self.dst)
+        if self.store.batch_get_into(self.names, [t.data_ptr() for t in self.dst], [self.size] * n) != [self.size] * n:
+            raise BenchError("mooncake raw: batch_get_into missed")
+
     def check(self) -> None:
         if not all(torch.equal(s, d) for s, d in zip(self.src, self.dst, strict=True)):
             raise BenchError("mooncake raw: read back different bytes")
@@ -202,33 +248,37 @@ class _RawMooncake:
         self.store.close()
 
 
-def _measure(tier: _Side, raw: _Side, count: int, rounds: int) -> dict[str, float]:
-    """Median seconds of each phase over ``rounds`` rounds after a warm-up. The two sides take
-    turns object by object (who goes first alternating), so that noise from other processes
-    lands on both alike."""
-    times: dict[str, list[float]] = {"put": [], "raw_put": [], "get": [], "raw_get": []}
+def _measure(tier: _Side, raw: _Side, count: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Per mode, median seconds of each phase over ``rounds`` rounds after a warm-up. The two
+    sides take turns object by object, or batch by batch (who goes first alternating), so that
+    noise from other processes lands on both alike."""
+    times = {mode: {"put": [], "raw_put": [], "get": [], "raw_get": []} for mode in MODES}
     clock = time.perf_counter
     for r in range(rounds + 1):
-        for op in ("put", "get"):
-            spent = {"": 0.0, "raw_": 0.0}
-            for i in range(count):
-                pair = [("", getattr(tier, op)), ("raw_", getattr(raw, op))]
-                for side, fn in pair if (i + r) % 2 == 0 else pair[::-1]:
-                    t0 = clock()
-                    fn(i)
-                    spent[side] += clock() - t0
-            if r:
-                times[op].append(spent[""])
-                times["raw_" + op].append(spent["raw_"])
-        for side in (tier, raw):
-            side.check()
-            side.clear()
-    return {phase: statistics.median(ts) for phase, ts in times.items()}
+        for mode in MODES:
+            for op in ("put", "get"):
+                spent = {"": 0.0, "raw_": 0.0}
+                for i in range(count if mode == "each" else 1):
+                    name = op if mode == "each" else f"{op}_all"
+                    pair = [("", getattr(tier, name)), ("raw_", getattr(raw, name))]
+                    for side, fn in pair if (i + r) % 2 == 0 else pair[::-1]:
+                        args = (i,) if mode == "each" else ()
+                        t0 = clock()
+                        fn(*args)
+                        spent[side] += clock() - t0
+                if r:
+                    times[mode][op].append(spent[""])
+                    times[mode]["raw_" + op].append(spent["raw_"])
+            for side in (tier, raw):
+                side.check()
+                side.clear()
+    return {mode: {phase: statistics.median(ts) for phase, ts in phases.items()} for mode, phases in times.items()}
 
 
-def _row(backend: str, size: int, count: int, t: dict[str, float]) -> RemoteBenchRow:
+def _rows(backend: str, size: int, count: int, t: dict[str, dict[str, float]]) -> list[RemoteBenchRow]:
     moved = size * count / GB
-    return RemoteBenchRow(backend, size, moved / t["put"], moved / t["raw_put"], moved / t["get"], moved / t["raw_get"])
+    return [RemoteBenchRow(backend, size, mode, moved / m["put"], moved / m["raw_put"], moved / m["get"],
+                           moved / m["raw_get"]) for mode, m in t.items()]
 
 
 def _bench_valkey(root: Path, config: RemoteBenchConfig) -> list[RemoteBenchRow]:
@@ -245,7 +295,7 @@ def _bench_valkey(root: Path, config: RemoteBenchConfig) -> list[RemoteBenchRow]
                              config.count, config.rounds)
             finally:
                 tier.close()
-            rows.append(_row("valkey", size, config.count, t))
+            rows += _rows("valkey", size, config.count, t)
         return rows
     finally:
         server.stop()
@@ -267,7 +317,7 @@ def _bench_mooncake(root: Path, config: RemoteBenchConfig) -> list[RemoteBenchRo
             finally:
                 raw.close()
                 tier.close()
-            rows.append(_row("mooncake", size, config.count, t))
+            rows += _rows("mooncake", size, config.count, t)
         return rows
     finally:
         servers.stop()

@@ -54,8 +54,8 @@ class ChunkCounter:
         self.reads = [0] * len(self.capacity)
         self._held = [set() for _ in self.capacity]
 
-    def has_room(self, level: int) -> bool:
-        return self.used[level] < self.capacity[level]
+    def has_room(self, level: int, count: int = 1) -> bool:
+        return self.used[level] + count <= self.capacity[level]
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self._pins[(level, key)] > 0
@@ -79,6 +79,9 @@ class ChunkCounter:
         self.reads[src] += 1
         self.write(key, dst)
         return Copied.OK
+
+    def copy_many(self, keys: Sequence[ChunkKey], src: int, dst: int) -> list[Copied]:
+        return [self.copy(key, src, dst) for key in keys]
 
     def drop(self, key: ChunkKey, level: int) -> None:
         self._held[level].discard(key)

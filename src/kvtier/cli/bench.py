@@ -79,10 +79,11 @@ def bench_remote(backend: str, as_json: bool, sizes: tuple[int, ...], count: int
         return
     table = Table(title=f"remote tiers vs raw clients (GB/s, median of {rounds}; "
                         f"target ratio >= {RATIO_TARGET})")
-    for col in ("backend", "size", "put", "raw put", "ratio", "get", "raw get", "ratio"):
+    for col in ("backend", "size", "per call", "put", "raw put", "ratio", "get", "raw get", "ratio"):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for r in result.rows:
-        table.add_row(r.backend, f"{r.size_bytes >> 20} MiB", f"{r.put_GBps:.2f}", f"{r.raw_put_GBps:.2f}",
+        calls = "1" if r.mode == "each" else str(count)  # objects per call
+        table.add_row(r.backend, f"{r.size_bytes >> 20} MiB", calls, f"{r.put_GBps:.2f}", f"{r.raw_put_GBps:.2f}",
                       f"{r.put_ratio:.2f}", f"{r.get_GBps:.2f}", f"{r.raw_get_GBps:.2f}", f"{r.get_ratio:.2f}")
     Console().print(table)
 

@@ -15,7 +15,9 @@ against capacities. The same object, the same policies, the same rules:
 - ``source``: the tier to read a chunk from; a chunk found below DRAM is promoted into DRAM first
   (its lower copy stays, so demoting it again costs no write). The chunk is pinned in its tier
   while room is made, so the demotions that makes cannot evict it;
-- ``prefetch``: promotes the held prefix of a queued request's chunks;
+- ``prefetch``: promotes the held prefix of a queued request's chunks; ``promote_prefix`` (also
+  used by the store's load) promotes runs of consecutive chunks held in the same lower tier
+  in one batch (``Mover.copy_many``: one round trip to the remote tier, not one per chunk);
 - scheduler hooks ``begin`` and ``hint`` reach every policy (see
   :mod:`kvtier.core.policies.base`).
 
@@ -48,8 +50,8 @@ class Copied(enum.Enum):
 class Mover(Protocol):
     """Moves chunks between tiers for a :class:`Placement`; levels count from 0 (DRAM)."""
 
-    def has_room(self, level: int) -> bool:
-        """Whether tier ``level`` can take one more chunk now."""
+    def has_room(self, level: int, count: int = 1) -> bool:
+        """Whether tier ``level`` can take ``count`` more chunks now."""
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool: ...
 
@@ -60,6 +62,10 @@ class Mover(Protocol):
 
     def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
         """Write the chunk held at ``src`` into ``dst`` (which has room)."""
+
+    def copy_many(self, keys: Sequence[ChunkKey], src: int, dst: int) -> list[Copied]:
+        """``copy`` each of ``keys`` (``dst`` has room for all), in one batch where the tiers
+        can (one round trip to the remote tier)."""
 
     def drop(self, key: ChunkKey, level: int) -> None:
         """Delete the (unpinned) chunk from tier ``level``."""
@@ -152,9 +158,10 @@ class Placement:
             return False
         return True
 
-    def make_room(self, level: int) -> bool:
-        """Evict from tier ``level`` until it has room; False if everything left is pinned."""
-        while not self.mover.has_room(level):
+    def make_room(self, level: int, count: int = 1) -> bool:
+        """Evict from tier ``level`` until it has room for ``count`` chunks; False if everything
+        left is pinned."""
+        while not self.mover.has_room(level, count):
             if not self.evict(level):
                 return False
         return True
@@ -235,20 +242,74 @@ class Placement:
             level = 0
         return level
 
+    def promote_many(self, keys: Sequence[ChunkKey], level: int, fallback: bool = True) -> int:
+        """Promote ``keys``, all held at ``level`` (their fastest copy), into DRAM in one batch;
+        how many from the first were promoted. When DRAM cannot make room for all at once:
+        one :meth:`promote` after the other (``fallback``), or none."""
+        mover = self.mover
+        pinned = [key for key in keys if mover.pin(level, key)]
+        try:
+            if len(pinned) == len(keys) > 1 and self.make_room(0, len(keys)):
+                copied = mover.copy_many(keys, level, 0)
+            else:
+                copied = None
+        finally:
+            for key in pinned:
+                mover.unpin(level, key)
+        if copied is None:
+            if not fallback:
+                return 0
+            return next((n for n, key in enumerate(keys) if not self.promote(key, level)), len(keys))
+        done, leading = 0, True
+        for key, c in zip(keys, copied, strict=True):
+            if c is Copied.SOURCE_LOST:
+                self.forget(key, level)
+            if c is Copied.OK:
+                self.added(key, 0)
+                self.stats.promotions += 1
+            leading = leading and c is Copied.OK
+            done += leading
+        return done
+
+    def promote_prefix(self, keys: Sequence[ChunkKey], level: int | None = None, batch: int = 16) -> int:
+        """Promote the held prefix of ``keys`` into DRAM, runs of consecutive chunks held in the
+        same lower tier ``batch`` at a time (:meth:`promote_many`); stops at the first chunk held
+        nowhere or not promoted. How many of ``keys`` from the first are in DRAM now. With
+        ``level``, only runs whose fastest copy is in that tier, and only runs DRAM takes whole
+        (the others are left where they are); returns how many were promoted."""
+        index, n, promoted = self.index, 0, 0
+        while n < len(keys):
+            found = index.fastest(keys[n])
+            if found is None:
+                break
+            if found == 0 or (level is not None and found != level):
+                n += 1
+                continue
+            end = n + 1
+            while end < len(keys) and end - n < batch and index.fastest(keys[end]) == found:
+                end += 1
+            run = keys[n:end]
+            done = self.promote_many(run, found, fallback=level is None)
+            promoted += done
+            if level is None and done < len(run):
+                return n + done
+            n = end
+        return promoted if level is not None else n
+
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
-        """Promote the held prefix of ``keys`` into DRAM; stops at the first chunk held nowhere
-        or that finds no room. Touches ``keys``; returns how many chunks were promoted."""
-        promoted = 0
+        """Promote the held prefix of ``keys`` into DRAM (:meth:`promote_prefix`); stops at the
+        first chunk held nowhere or that finds no room. Touches ``keys``; returns how many
+        chunks were promoted."""
         index = self.index
+        below = []
         for key in keys:
             level = index.fastest(key)
             if level is None:
                 break
-            if level > 0:
-                if not self.promote(key, level):
-                    break
-                promoted += 1
-                self._prefetched.add(key)
-        self.stats.prefetched += promoted
+            below.append(level > 0)
+        held = self.promote_prefix(keys[: len(below)])
+        promoted = [key for key, lower in zip(keys[:held], below, strict=False) if lower]
+        self._prefetched.update(promoted)
+        self.stats.prefetched += len(promoted)
         self.touch(keys)
-        return promoted
+        return len(promoted)

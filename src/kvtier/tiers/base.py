@@ -8,6 +8,9 @@ Lifecycle of an entry (Mooncake's PutStart/PutEnd, vLLM's prepare/complete_store
 2. ``commit(reservation, ok)`` makes it visible (``ok=True``) or releases everything
    (``ok=False``). A commit that fails (an I/O error) also leaves nothing behind and returns False.
 
+Batches: ``put_many`` and ``get_many_into`` do what ``put`` and ``get_into`` do for many entries;
+a remote tier does them in one round trip (one call into its client) instead of one per entry.
+
 Reading: ``get`` copies bytes out and returns None on a miss. A miss caused by damage (missing
 file, checksum mismatch) is logged and counted in :attr:`Tier.stats` and the damaged entry is
 dropped; wrong bytes are never returned.
@@ -43,6 +46,14 @@ class TierFullError(Exception):
 
 class EntryPinnedError(Exception):
     """The entry is pinned by a reader and cannot be deleted now."""
+
+
+class EntryExistsError(ValueError):
+    """The key is already stored or being written (by this process or another)."""
+
+
+PutOutcome = bool | TierFullError | EntryExistsError
+"""One entry's outcome in :meth:`Tier.put_many`."""
 
 
 @dataclass(slots=True)
@@ -153,6 +164,31 @@ class Tier(ABC):
             raise
         return self.commit(res, ok=True)
 
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
+                 segment_bytes: int | None = None) -> list[PutOutcome]:
+        """:meth:`put` each ``(key, data)``; per entry its result, or the TierFullError or
+        EntryExistsError that ``put`` of that entry alone raises. Other bad arguments (sizes,
+        lengths that differ) raise ValueError before anything is written. Default: one ``put``
+        after the other."""
+        if len(keys) != len(datas):
+            raise ValueError(f"{self.name}: put_many got {len(keys)} keys and {len(datas)} entries")
+        srcs = [as_byte_tensor(d) for d in datas]
+        if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes <= 0):
+            raise ValueError(f"{self.name}: segment_bytes must be a positive int, got {segment_bytes!r}")
+        for key, src in zip(keys, srcs, strict=True):
+            check_key(key)
+            n = src.numel()
+            if n == 0 or max(n, self.footprint(n, segment_bytes)) > self.capacity:
+                raise ValueError(f"{self.name}: entry of {src.numel()} bytes does not fit a tier of "
+                                 f"{self.capacity} bytes")
+        results: list[PutOutcome] = []
+        for key, src in zip(keys, srcs, strict=True):
+            try:
+                results.append(self.put(key, src, segment_bytes))
+            except (TierFullError, EntryExistsError) as exc:
+                results.append(exc)
+        return results
+
     # -- reads --------------------------------------------------------------------------------
     @abstractmethod
     def get(
@@ -174,6 +210,15 @@ class Tier(ABC):
         :meth:`get` never writes ``out`` after it returns. Default: ``get(key, out=out)``."""
         return self.get(key, out=out) is not None
 
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor],
+                      late: Callable[[Future], None]) -> list[bool]:
+        """:meth:`get_into` each key into its ``out``; whether each was read. ``late`` gets the
+        Future of every call given up on (each ``out`` whose read returned False must then wait
+        until all of them are done). Default: one ``get_into`` after the other."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{self.name}: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        return [self.get_into(key, out, late) for key, out in zip(keys, outs, strict=True)]
+
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool: ...
 
@@ -184,6 +229,11 @@ class Tier(ABC):
             if not self.contains(key):
                 return n
         return len(keys)
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether this tier holds each of ``keys``. A remote tier answers in one round trip
+        (False for all when its server is down); by default, one ``contains`` per key."""
+        return [self.contains(key) for key in keys]
 
     @abstractmethod
     def entry_bytes(self, key: ChunkKey) -> int | None:

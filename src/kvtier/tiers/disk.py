@@ -40,6 +40,7 @@ import xxhash
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.tiers.base import (
     PAGE,
+    EntryExistsError,
     Reservation,
     Tier,
     TierFullError,
@@ -304,7 +305,7 @@ class DiskTier(Tier):
             )
         with self._lock:
             if key in self._entries or key in self._reserved:
-                raise ValueError(f"disk: chunk {key.hex()} is already stored or being written")
+                raise EntryExistsError(f"disk: chunk {key.hex()} is already stored or being written")
             if self._used + charge > self.capacity:
                 raise TierFullError(f"disk: {self._used} of {self.capacity} bytes in use")
             self._reserved[key] = charge

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.base import PAGE, Reservation, Tier, TierFullError, check_key, round_up
+from kvtier.tiers.base import (
+    PAGE,
+    EntryExistsError,
+    Reservation,
+    Tier,
+    TierFullError,
+    check_key,
+    round_up,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +165,7 @@ class HostTier(Tier):
             )
         with self._lock:
             if key in self._entries or key in self._reserved:
-                raise ValueError(f"host: chunk {key.hex()} is already stored or being written")
+                raise EntryExistsError(f"host: chunk {key.hex()} is already stored or being written")
             if not self._free:
                 raise TierFullError(f"host: all {self.num_slots} slots are in use")
             slot = self._free.popleft()

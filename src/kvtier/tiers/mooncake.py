@@ -42,10 +42,18 @@ import torch
 from mooncake.store import MooncakeDistributedStore
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
-from kvtier.tiers.mooncake_io import MooncakeConnection, Unavailable, code_name
+from kvtier.tiers.base import (
+    EntryExistsError,
+    PutOutcome,
+    Reservation,
+    TierFullError,
+    as_byte_tensor,
+    check_key,
+)
+from kvtier.tiers.mooncake_io import MooncakeConnection, Unavailable, code_name, is_outage
 from kvtier.tiers.remote import (
     FIXED_BYTES,
+    BufferPool,
     CorruptObject,
     ObjectHeader,
     RemoteTier,
@@ -65,14 +73,99 @@ ZERO_COPY_MIN = 64 << 10
 """Payloads from this size on are sent from the caller's memory, smaller ones copied."""
 
 
-def _start_session(store: MooncakeDistributedStore, name: str, size: int) -> int:
-    """Open a put session (Mooncake's PutStart). A session this client left open after a failed
-    attempt (the master was down when it tried to revoke) is revoked and the start retried."""
-    rc = store.batch_put_session_start([name], [size])[0]
-    if rc == INVALID_PARAMS:
-        store.batch_put_session_revoke([name])
-        rc = store.batch_put_session_start([name], [size])[0]
-    return rc
+def _start_sessions(store: MooncakeDistributedStore, names: list[str], sizes: list[int]) -> list[int]:
+    """Open put sessions (Mooncake's PutStart), one code per name. A session this client left
+    open after a failed attempt (the master was down when it tried to revoke) is revoked and
+    its start retried."""
+    rcs = store.batch_put_session_start(names, sizes)
+    stale = [i for i, rc in enumerate(rcs) if rc == INVALID_PARAMS]
+    if stale:
+        again = [names[i] for i in stale]
+        store.batch_put_session_revoke(again)
+        for i, rc in zip(stale, store.batch_put_session_start(again, [sizes[i] for i in stale]), strict=True):
+            rcs[i] = rc
+    return rcs
+
+
+def _upload(store: MooncakeDistributedStore, staging: BufferPool, names: list[str], heads: list[bytes],
+            srcs: list[torch.Tensor], sizes: list[int]) -> list[tuple[bool, int]]:
+    """Put objects ``heads[i] + srcs[i]`` of ``sizes[i]`` bytes in one session of each call:
+    start, transfer, end. Per object: (whether its put session opened, Mooncake's code). Large
+    payloads go from where they lie; small ones (which may share a page with registered memory,
+    which Mooncake refuses to register twice) through staging, as do the headers."""
+    out = [(False, rc) for rc in _start_sessions(store, names, sizes)]
+    opened = [i for i, (_, rc) in enumerate(out) if rc == 0]
+    if not opened:
+        return out
+    direct = [False] * len(srcs)
+    for i in opened:
+        n = srcs[i].numel()
+        direct[i] = n >= ZERO_COPY_MIN and store.register_buffer(srcs[i].data_ptr(), n) == 0
+    buf = staging.take(sum(len(heads[i]) + (0 if direct[i] else srcs[i].numel()) for i in opened))
+    try:
+        view, base, at = memoryview(buf.numpy()), buf.data_ptr(), 0  # memoryview copies (no torch kernel for a memcpy)
+        ptrs, lens, offsets = [], [], []
+        for i in opened:
+            hlen, n = len(heads[i]), srcs[i].numel()
+            view[at : at + hlen] = heads[i]
+            if direct[i]:
+                ptrs.append([base + at, srcs[i].data_ptr()])
+                lens.append([hlen, n])
+                offsets.append([0, hlen])
+                at += hlen
+            else:
+                view[at + hlen : at + hlen + n] = memoryview(srcs[i].numpy()).cast("B")
+                ptrs.append([base + at])
+                lens.append([hlen + n])
+                offsets.append([0])
+                at += hlen + n
+        sent = store.batch_put_from_multi_buffer_ranges([names[i] for i in opened], ptrs, lens, offsets)
+    finally:
+        for src, d in zip(srcs, direct, strict=True):
+            if d:
+                store.unregister_buffer(src.data_ptr())
+        staging.give(buf)
+    failed = [(i, got) for i, got in zip(opened, sent, strict=True) if got != sizes[i]]
+    if failed:
+        store.batch_put_session_revoke([names[i] for i, _ in failed])
+        for i, got in failed:
+            out[i] = (True, got if got < 0 else -1)
+    done = [i for i, got in zip(opened, sent, strict=True) if got == sizes[i]]
+    if done:
+        for i, rc in zip(done, store.batch_put_session_end([names[i] for i in done]), strict=True):
+            out[i] = (True, rc)
+    return out
+
+
+def _download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[str], sizes: list[int | None],
+              outs: list[torch.Tensor]) -> list[tuple[int, int | None]]:
+    """Read objects: header ``j`` into ``head[j * HEAD_PEEK:]``, payload straight into
+    ``outs[j]``, in one batched transfer; unknown sizes are asked first. Per object: (its size or
+    Mooncake's code for it, bytes read or Mooncake's code; None: not read, because its header
+    would not fit HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs``
+    (its arguments) until it ends."""
+    result: list[tuple[int, int | None]] = []
+    batch: list[int] = []
+    for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
+        size = store.get_size(name) if size is None else size
+        hlen = size - out.numel()
+        result.append((size, None))
+        if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
+            batch.append(j)
+    if not batch:
+        return result
+    base = head.data_ptr()
+    try:
+        got = store.batch_get_into_multi_buffers(
+            [names[j] for j in batch],
+            [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
+            [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
+    finally:
+        for j in batch:
+            store.unregister_buffer(outs[j].data_ptr())
+    for j, rc in zip(batch, got, strict=True):
+        result[j] = (result[j][0], rc)
+    return result
 
 
 @dataclass(slots=True)
@@ -113,7 +206,7 @@ class MooncakeTier(RemoteTier):
     def _charge(self, key: ChunkKey, charge: int) -> None:
         with self._lock:
             if key in self._entries or key in self._reserved:
-                raise ValueError(f"mooncake: chunk {key.hex()} is already stored or being written")
+                raise EntryExistsError(f"mooncake: chunk {key.hex()} is already stored or being written")
             if self._used + charge > self.capacity:
                 raise TierFullError(f"mooncake: {self._used} of {self.capacity} bytes in use")
             self._reserved[key] = charge
@@ -128,15 +221,15 @@ class MooncakeTier(RemoteTier):
                 self._entries[key] = (nbytes, charge)
         return nbytes is not None
 
-    def _refuse(self, key: ChunkKey, rc: int, what: str) -> None:
-        """Raise what ``reserve`` raises for a refused Mooncake put (local charge returned)."""
+    def _refusal(self, key: ChunkKey, rc: int, what: str) -> TierFullError | EntryExistsError:
+        """What ``reserve`` raises for a refused Mooncake put (local charge returned)."""
         self._settle(key, None)
         if rc in (OBJECT_ALREADY_EXISTS, REPLICA_IS_NOT_READY):
-            raise ValueError(f"mooncake: chunk {key.hex()} is already stored or being written")
+            return EntryExistsError(f"mooncake: chunk {key.hex()} is already stored or being written")
         if rc != NO_AVAILABLE_HANDLE:
             self.stats.errors += 1
             log.warning("mooncake: %s of chunk %s failed: %s", what, key.hex(), code_name(rc))
-        raise TierFullError(f"mooncake: {what} refused: {code_name(rc)}")
+        return TierFullError(f"mooncake: {what} refused: {code_name(rc)}")
 
     # -- writes -------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
@@ -146,7 +239,7 @@ class MooncakeTier(RemoteTier):
         staging = None
         try:
             staging = self._conn.staging_for("reserve", charge)
-            rc = self._conn.call("reserve", lambda s: _start_session(s, name, charge))
+            rc = self._conn.call("reserve", lambda s: _start_sessions(s, [name], [charge])[0])
         except Unavailable:
             if staging is not None:
                 self._conn.staging.give(staging)
@@ -154,7 +247,7 @@ class MooncakeTier(RemoteTier):
             raise TierFullError("mooncake: server unavailable") from None
         if rc != 0:
             self._conn.staging.give(staging)
-            self._refuse(key, rc, "put start")
+            raise self._refusal(key, rc, "put start")
         hlen = charge - nbytes
         return Reservation(key, nbytes, seg, staging[hlen:charge], _Open(staging, hlen, charge))
 
@@ -195,54 +288,61 @@ class MooncakeTier(RemoteTier):
         return self._wrote(res.key, header.nbytes)
 
     def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        """Like :meth:`Tier.put`; CPU data is sent from where it lies (no staging copy)."""
+        """Like :meth:`Tier.put`: :meth:`put_many` of one entry."""
         src = as_byte_tensor(data)
         if src.device.type != "cpu" or src.numel() == 0:
             return super().put(key, src, segment_bytes)
-        key, seg, charge = self._check_request(key, src.numel(), segment_bytes)
-        self._charge(key, charge)
-        header = ObjectHeader.for_payload(key, memoryview(src.numpy()).cast("B"), seg)
-        raw, name, n = header.encode(), self._name(key), src.numel()
-        hlen = len(raw)
+        outcome = self.put_many([key], [src], segment_bytes)[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-        def upload(s: MooncakeDistributedStore) -> tuple[bool, int]:
-            """(whether the put session opened, Mooncake's code)"""
-            rc = _start_session(s, name, charge)
-            if rc != 0:
-                return False, rc
-            staging = self._conn.staging
-            # Large payloads go from where they lie; small ones (which may share a page with
-            # registered memory, which Mooncake refuses to register twice) through staging.
-            direct = n >= ZERO_COPY_MIN and s.register_buffer(src.data_ptr(), n) == 0
-            buf = staging.take(hlen if direct else charge)
-            view = memoryview(buf.numpy())  # memoryview copies: no torch kernel for a memcpy
-            view[:hlen] = raw
-            if not direct:
-                view[hlen:charge] = memoryview(src.numpy()).cast("B")
-            ptrs, sizes = ([buf.data_ptr(), src.data_ptr()], [hlen, n]) if direct else ([buf.data_ptr()], [charge])
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
+                 segment_bytes: int | None = None) -> list[PutOutcome]:
+        """Like :meth:`Tier.put_many`, in one call into Mooncake (one put session start, one
+        batched transfer, one session end for all); CPU data is sent from where it lies."""
+        if len(keys) != len(datas):
+            raise ValueError(f"mooncake: put_many got {len(keys)} keys and {len(datas)} entries")
+        srcs = [as_byte_tensor(d) for d in datas]
+        if any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
+            return super().put_many(keys, srcs, segment_bytes)
+        checked = [self._check_request(k, src.numel(), segment_bytes) for k, src in zip(keys, srcs, strict=True)]
+        results: list[PutOutcome] = [False] * len(keys)
+        todo: list[int] = []
+        for i, (key, _, charge) in enumerate(checked):
             try:
-                sent = s.batch_put_from_multi_buffer_ranges([name], [ptrs], [sizes], [[0, hlen][: len(ptrs)]])[0]
-            finally:
-                if direct:
-                    s.unregister_buffer(src.data_ptr())
-                staging.give(buf)
-            if sent != charge:
-                s.batch_put_session_revoke([name])
-                return True, sent if sent < 0 else -1
-            return True, s.batch_put_session_end([name])[0]
-
+                self._charge(key, charge)
+                todo.append(i)
+            except (TierFullError, EntryExistsError) as exc:
+                results[i] = exc
+        if not todo:
+            return results
+        heads = [ObjectHeader.for_payload(checked[i][0], memoryview(srcs[i].numpy()).cast("B"), checked[i][1]).encode()
+                 for i in todo]
+        names, sizes = [self._name(checked[i][0]) for i in todo], [checked[i][2] for i in todo]
+        batch, staging = [srcs[i] for i in todo], self._conn.staging
         try:
-            opened, rc = self._conn.call("put", upload)
+            codes = self._conn.call("put", lambda s: _upload(s, staging, names, heads, batch, sizes),
+                                    codes=lambda _: ())  # an outage fails only the entries it hit
         except Unavailable:
-            self._settle(key, None)
-            raise TierFullError("mooncake: server unavailable") from None
-        if not opened:
-            self._refuse(key, rc, "put")
-        if rc != 0:
-            self.stats.errors += 1
-            log.warning("mooncake: put of chunk %s failed: %s", key.hex(), code_name(rc))
-            return self._settle(key, None)
-        return self._wrote(key, n)
+            for i in todo:
+                self._settle(checked[i][0], None)
+                results[i] = TierFullError("mooncake: server unavailable")
+            return results
+        outage = next((rc for _, rc in codes if is_outage(rc)), None)
+        if outage is not None:
+            self._conn.health.failed("put", code_name(outage))
+        for i, (opened, rc) in zip(todo, codes, strict=True):
+            key = checked[i][0]
+            if not opened:
+                results[i] = self._refusal(key, rc, "put")
+            elif rc != 0:
+                self.stats.errors += 1
+                log.warning("mooncake: put of chunk %s failed: %s", key.hex(), code_name(rc))
+                results[i] = self._settle(key, None)
+            else:
+                results[i] = self._wrote(key, srcs[i].numel())
+        return results
 
     def _wrote(self, key: ChunkKey, nbytes: int) -> bool:
         self.stats.writes += 1
@@ -296,66 +396,78 @@ class MooncakeTier(RemoteTier):
             self._conn.staging.give(staging)
 
     def get_into(self, key: ChunkKey, out: torch.Tensor, late: Callable[[Future], None]) -> bool:
-        """Like :meth:`Tier.get_into`: the payload lands straight in ``out`` (registered with
-        Mooncake by the call itself, for its duration) and is verified where it lies; the header
-        goes to a staging buffer. A call given up on a timeout hands its future to ``late``.
-        Falls back to :meth:`get` (staging and a copy) where ``out`` cannot take the read."""
-        key = check_key(key)
-        if not (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
-                and out.is_contiguous() and out.numel() > 0):
-            return super().get_into(key, out, late)
-        name, n = self._name(key), out.numel()
+        """Like :meth:`Tier.get_into`: :meth:`get_many_into` of one entry."""
+        return self.get_many_into([key], [out], late)[0]
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor],
+                      late: Callable[[Future], None]) -> list[bool]:
+        """Like :meth:`Tier.get_many_into`, in one call into Mooncake: each payload lands
+        straight in its ``out`` (registered with Mooncake by the call itself, for its duration)
+        and is verified where it lies; the headers go to a staging buffer. A call given up on a
+        timeout hands its future to ``late``. An entry whose ``out`` cannot take such a read
+        (not a contiguous CPU uint8 tensor, sharing a page with registered memory) or whose
+        object does not have the expected shape is read by :meth:`get` (staging and a copy)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"mooncake: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        keys = [check_key(k) for k in keys]
+        direct = [i for i, out in enumerate(outs)
+                  if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
+                  and out.is_contiguous() and out.numel() > 0]
         with self._lock:
-            known = self._entries.get(key)
-        if known is not None:
-            self._check_range(known[0], 0, None, out)
-        try:
-            size = known[1] if known else self._conn.call("get", lambda s: s.get_size(name))
-            if size < 0:
-                return self._missing(key, size) is not None
-            hlen = size - n
-            if hlen < FIXED_BYTES + 16:  # not a payload of n bytes: let get() say what is wrong
-                return self.get(key, out=out) is not None
-            head = self._conn.staging_for("get", hlen)
-        except Unavailable:
-            self.stats.misses += 1
-            return False
-
-        def read(s: MooncakeDistributedStore) -> int | None:
-            """Holds head and out (its closure) until it ends; None: out cannot be registered
-            (it shares a page with registered memory, say)."""
-            if s.register_buffer(out.data_ptr(), n) != 0:
-                return None
+            known = [self._entries.get(keys[i]) for i in direct]
+        for i, k in zip(direct, known, strict=True):
+            if k is not None:  # a read that cannot succeed need not be tried
+                self._check_range(k[0], 0, None, outs[i])
+        results = [False] * len(keys)
+        fallback = [i for i in range(len(keys)) if i not in set(direct)]
+        if direct:
+            names = [self._name(keys[i]) for i in direct]
+            sizes = [None if k is None else k[1] for k in known]
+            targets = [outs[i] for i in direct]
             try:
-                return s.batch_get_into_multi_buffers([name], [[head.data_ptr(), out.data_ptr()]], [[hlen, n]])[0]
-            finally:
-                s.unregister_buffer(out.data_ptr())
+                head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
+                got = self._conn.call("get", lambda s: _download(s, head, names, sizes, targets), late,
+                                      staging=head, codes=lambda r: [c for pair in r for c in pair])
+            except Unavailable:
+                self.stats.misses += len(direct)
+                got = None
+            if got is not None:
+                try:
+                    view = memoryview(head.numpy())
+                    for j, (i, (size, rc)) in enumerate(zip(direct, got, strict=True)):
+                        ok = self._verify(keys[i], view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK], size, rc, outs[i])
+                        if ok is None:
+                            fallback.append(i)
+                        else:
+                            results[i] = ok
+                finally:
+                    self._conn.staging.give(head)
+        for i in sorted(fallback):
+            results[i] = self.get(keys[i], out=outs[i]) is not None
+        return results
 
-        try:
-            got = self._conn.call("get", read, late, staging=head)
-        except Unavailable:
-            self.stats.misses += 1
-            return False
+    def _verify(self, key: ChunkKey, head: memoryview, size: int, got: int | None, out: torch.Tensor) -> bool | None:
+        """Check one read of :meth:`get_many_into`: its header (in ``head``) and the payload in
+        ``out``. None: it could not be read that way (let :meth:`get` say what is wrong)."""
+        n = out.numel()
+        if size < 0:
+            return self._missing(key, size) is not None
         if got is None:
-            self._conn.staging.give(head)
-            return self.get(key, out=out) is not None
+            return None
+        if got < 0:
+            return self._missing(key, got) is not None
+        hlen = size - n
         try:
-            if got < 0:
-                return self._missing(key, got) is not None
-            view = memoryview(head.numpy())[:hlen]
-            try:
-                if peek_header_len(view) != hlen:  # another payload size: let get() say what is wrong
-                    return self.get(key, out=out) is not None
-                header = ObjectHeader.decode(view, key)
-            except CorruptObject as exc:
-                return self._damaged(key, str(exc)) is not None
-            if got != size or header.nbytes != n:
-                return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
-            bad = header.bad_segment(memoryview(out.numpy()), 0)
-            if bad is not None:
-                return self._damaged(key, f"checksum mismatch in segment {bad}") is not None
-        finally:
-            self._conn.staging.give(head)
+            if peek_header_len(head) != hlen:  # another payload size
+                return None
+            header = ObjectHeader.decode(head[:hlen], key)
+        except CorruptObject as exc:
+            return self._damaged(key, str(exc)) is not None
+        if got != size or header.nbytes != n:
+            return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
+        bad = header.bad_segment(memoryview(out.numpy()), 0)
+        if bad is not None:
+            return self._damaged(key, f"checksum mismatch in segment {bad}") is not None
         self.stats.hits += 1
         self.stats.bytes_read += n
         return True
@@ -379,16 +491,16 @@ class MooncakeTier(RemoteTier):
         except Unavailable:
             return False
 
-    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """One ``batch_is_exist`` call."""
         if not keys:
-            return 0
+            return []
         names = [self._name(check_key(k)) for k in keys]
         try:
             found = self._conn.call("contains", lambda s: s.batch_is_exist(names))
         except Unavailable:
-            return 0
-        return next((n for n, v in enumerate(found) if v != 1), len(keys))
+            return [False] * len(keys)
+        return [v == 1 for v in found]
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
         with self._lock:

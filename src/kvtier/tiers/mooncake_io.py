@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
@@ -130,10 +130,12 @@ class MooncakeConnection:
 
     def call(self, what: str, fn: Callable[[MooncakeDistributedStore], T],
              abandoned: Callable[[Future], None] | None = None,
-             staging: torch.Tensor | None = None) -> T:
+             staging: torch.Tensor | None = None,
+             codes: Callable[[T], Iterable[object]] | None = None) -> T:
         """``fn(store)`` on a worker; Unavailable (counted, logged) if down, failing or late.
-        An int result (or an element of a list, or the last of a tuple) in Mooncake's outage
-        range is a failure too. A call given up on a timeout may still run: ``abandoned`` then
+        An int result (or an element of a list, or the last of a tuple, also of a tuple in a
+        list) in Mooncake's outage range is a failure too; ``codes(result)``, if given, says
+        which codes to look at instead. A call given up on a timeout may still run: ``abandoned`` then
         gets its future (done once the call has ended or was cancelled before it started).
         ``staging``: a buffer of :attr:`staging` that ``fn`` uses (and refers to, which keeps it
         alive while the call runs); when the call fails it goes back to the pool, at once or,
@@ -156,8 +158,9 @@ class MooncakeConnection:
             except Exception as exc:  # a binding error is a failed call, not a crash
                 self.health.failed(what, exc)
                 raise Unavailable(what) from exc
-            codes = result if isinstance(result, list) else [result[-1] if isinstance(result, tuple) else result]
-            failed = next((rc for rc in codes if isinstance(rc, int) and is_outage(rc)), None)
+            found = codes(result) if codes is not None else [
+                r[-1] if isinstance(r, tuple) else r for r in (result if isinstance(result, list) else [result])]
+            failed = next((rc for rc in found if isinstance(rc, int) and is_outage(rc)), None)
             if failed is not None:
                 self.health.failed(what, code_name(failed))
                 raise Unavailable(what)

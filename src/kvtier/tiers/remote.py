@@ -32,6 +32,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -257,6 +258,10 @@ class BufferPool:
 # -- the shared half of a remote tier ---------------------------------------------------------
 class RemoteTier(Tier):
     """Request checks, read verification and damage handling shared by the remote tiers."""
+
+    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """One :meth:`contains_many` (one round trip)."""
+        return next((n for n, held in enumerate(self.contains_many(keys)) if not held), len(keys))
 
     def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
         return header_len(segment_count(nbytes, segment_bytes or nbytes)) + nbytes

@@ -31,7 +31,13 @@ from valkey.exceptions import NoScriptError
 
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers import valkey_lua as lua
-from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor, check_key
+from kvtier.tiers.base import (
+    EntryExistsError,
+    Reservation,
+    TierFullError,
+    as_byte_tensor,
+    check_key,
+)
 from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier, segment_count
 from kvtier.tiers.remote_config import ValkeyTierConfig
 from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, bulks, overlapped
@@ -107,7 +113,7 @@ class ValkeyTier(RemoteTier):
         if swept:
             self._forget_writes([ChunkKey(bytes.fromhex(h.decode())) for h in swept])
         if code == -1:
-            raise ValueError(f"valkey: chunk {key.hex()} is already stored or being written")
+            raise EntryExistsError(f"valkey: chunk {key.hex()} is already stored or being written")
         if code == -2:
             raise TierFullError(f"valkey: {int(rest[0])} of {self.capacity} bytes in use")
 
@@ -314,16 +320,16 @@ class ValkeyTier(RemoteTier):
         except Unavailable:
             return False
 
-    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """One HMGET of the index (one slot, also in a cluster)."""
         if not keys:
-            return 0
+            return []
         fields = [check_key(k).hex() for k in keys]
         try:
             found = self._conn.run("contains", lambda c: c.hmget(self._meta, fields))
         except Unavailable:
-            return 0
-        return next((n for n, v in enumerate(found) if v is None), len(keys))
+            return [False] * len(keys)
+        return [v is not None for v in found]
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
         try:
