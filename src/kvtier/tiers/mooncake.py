@@ -33,6 +33,9 @@ process's list.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -87,84 +90,154 @@ def _start_sessions(store: MooncakeDistributedStore, names: list[str], sizes: li
     return rcs
 
 
-def _upload(store: MooncakeDistributedStore, staging: BufferPool, names: list[str], heads: list[bytes],
-            srcs: list[torch.Tensor], sizes: list[int]) -> list[tuple[bool, int]]:
-    """Put objects ``heads[i] + srcs[i]`` of ``sizes[i]`` bytes in one session of each call:
-    start, transfer, end. Per object: (whether its put session opened, Mooncake's code). Large
-    payloads go from where they lie; small ones (which may share a page with registered memory,
-    which Mooncake refuses to register twice) through staging, as do the headers."""
-    out = [(False, rc) for rc in _start_sessions(store, names, sizes)]
-    opened = [i for i, (_, rc) in enumerate(out) if rc == 0]
-    if not opened:
-        return out
-    direct = [False] * len(srcs)
-    for i in opened:
-        n = srcs[i].numel()
-        direct[i] = n >= ZERO_COPY_MIN and store.register_buffer(srcs[i].data_ptr(), n) == 0
-    buf = staging.take(sum(len(heads[i]) + (0 if direct[i] else srcs[i].numel()) for i in opened))
+class _Relay:
+    """Objects handed from the caller's thread, which checksums them, to a Mooncake call, which
+    sends them in groups of 1, 2, 4... objects (a batched transfer is quicker than single ones;
+    checksumming a group takes a fraction of the time sending the one before takes). The caller
+    checksums group ``g + 1`` while the call sends group ``g`` (Mooncake's transfer runs without
+    the GIL); it waits for the call to take group ``g`` before it starts on the next one, and
+    the call takes it just before its transfer, so that the caller never holds the GIL when
+    the call needs it (a thread waiting for the GIL waits up to the interpreter's switch
+    interval, 5 ms). In such a pipeline the checksums cost about one object's worth."""
+
+    def __init__(self, count: int) -> None:
+        self.groups: list[tuple[int, int]] = []
+        lo, size = 0, 1
+        while lo < count:
+            hi = count if count - lo < 3 * size else lo + size  # a short tail joins the last group
+            self.groups.append((lo, hi))
+            lo, size = hi, 2 * size
+        self.started = threading.Event()
+        self.ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the caller gave up
+        self.taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the call is over
+
+    def feed(self, prepare: Callable[[int], None], deadline: float) -> BaseException | None:
+        """The caller's side: ``prepare(j)`` each object in turn; what it raised, if it did.
+        Gives up at ``deadline`` (the call is then abandoned by its caller)."""
+        try:
+            # the call's first RPC (put session start) runs while group 0 is checksummed
+            if not self.started.wait(max(0.0, deadline - time.monotonic())):
+                return None
+            for lo, hi in self.groups:
+                for j in range(lo, hi):
+                    prepare(j)
+                self.ready.put(lo)
+                try:
+                    if self.taken.get(timeout=max(0.0, deadline - time.monotonic())) is None:
+                        return None
+                except queue.Empty:
+                    return None
+            return None
+        except BaseException as exc:  # noqa: BLE001 - raised again once the call has ended
+            return exc
+        finally:
+            self.ready.put(None)
+
+
+def _upload(store: MooncakeDistributedStore, staging: BufferPool, buf: torch.Tensor, spans: list[tuple[int, int]],
+            names: list[str], srcs: list[torch.Tensor], sizes: list[int],
+            relay: _Relay) -> list[tuple[bool, int]]:
+    """Put objects of ``sizes[j]`` bytes, header ``j`` at ``buf[spans[j][0]:]`` (``spans[j][1]``
+    bytes, followed by the payload when it is smaller than ZERO_COPY_MIN) and the payload in
+    ``srcs[j]`` (sent from where it lies). One put session start and one end for all; object
+    ``j`` is sent once ``relay`` hands it over (see :class:`_Relay`). Per object: (whether its
+    put session opened, Mooncake's code). Holds ``buf`` and ``srcs`` (its arguments) until it
+    ends."""
+    sent: list[int | None] = [None] * len(names)
+    registered: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
     try:
-        view, base, at = memoryview(buf.numpy()), buf.data_ptr(), 0  # memoryview copies (no torch kernel for a memcpy)
-        ptrs, lens, offsets = [], [], []
-        for i in opened:
-            hlen, n = len(heads[i]), srcs[i].numel()
-            view[at : at + hlen] = heads[i]
-            if direct[i]:
-                ptrs.append([base + at, srcs[i].data_ptr()])
+        relay.started.set()
+        codes = _start_sessions(store, names, sizes)
+        for lo, hi in relay.groups:
+            if relay.ready.get() is None:
+                break
+            group, ptrs, lens, offsets = [], [], [], []
+            for j in range(lo, hi):
+                if codes[j] != 0:
+                    continue
+                src, (at, hlen), base = srcs[j], spans[j], buf.data_ptr()
+                n = src.numel()
+                group.append(j)
+                if n < ZERO_COPY_MIN:
+                    ptrs.append([base + at])
+                    lens.append([hlen + n])
+                    offsets.append([0])
+                    continue
+                if store.register_buffer(src.data_ptr(), n) == 0:
+                    registered.append(src)
+                else:  # it shares a page with registered memory, which Mooncake refuses to register twice
+                    src = staging.take(n)
+                    copies.append(src)
+                    memoryview(src.numpy())[:n] = memoryview(srcs[j].numpy()).cast("B")
+                ptrs.append([base + at, src.data_ptr()])
                 lens.append([hlen, n])
                 offsets.append([0, hlen])
-                at += hlen
-            else:
-                view[at + hlen : at + hlen + n] = memoryview(srcs[i].numpy()).cast("B")
-                ptrs.append([base + at])
-                lens.append([hlen + n])
-                offsets.append([0])
-                at += hlen + n
-        sent = store.batch_put_from_multi_buffer_ranges([names[i] for i in opened], ptrs, lens, offsets)
+            relay.taken.put(lo)  # the caller checksums the next group while this one is sent
+            if group:
+                got = store.batch_put_from_multi_buffer_ranges([names[j] for j in group], ptrs, lens, offsets)
+                for j, g in zip(group, got, strict=True):
+                    sent[j] = g
     finally:
-        for src, d in zip(srcs, direct, strict=True):
-            if d:
-                store.unregister_buffer(src.data_ptr())
-        staging.give(buf)
-    failed = [(i, got) for i, got in zip(opened, sent, strict=True) if got != sizes[i]]
+        relay.taken.put(None)
+        for src in registered:
+            store.unregister_buffer(src.data_ptr())
+        for copy in copies:
+            staging.give(copy)
+    out = [(rc == 0, rc) for rc in codes]
+    failed = [j for j, rc in enumerate(codes) if rc == 0 and sent[j] != sizes[j]]
     if failed:
-        store.batch_put_session_revoke([names[i] for i, _ in failed])
-        for i, got in failed:
-            out[i] = (True, got if got < 0 else -1)
-    done = [i for i, got in zip(opened, sent, strict=True) if got == sizes[i]]
+        store.batch_put_session_revoke([names[j] for j in failed])
+        for j in failed:
+            got = sent[j]
+            out[j] = (True, got if got is not None and got < 0 else -1)
+    done = [j for j, rc in enumerate(codes) if rc == 0 and sent[j] == sizes[j]]
     if done:
-        for i, rc in zip(done, store.batch_put_session_end([names[i] for i in done]), strict=True):
-            out[i] = (True, rc)
+        for j, rc in zip(done, store.batch_put_session_end([names[j] for j in done]), strict=True):
+            out[j] = (True, rc)
     return out
 
 
+def read_groups(count: int) -> list[tuple[int, int]]:
+    """Objects ``[lo, hi)`` read by one batched transfer each, largest group first, so that the
+    caller verifies one group while the next is read and only the last, smallest one's
+    verification is left when the reading ends."""
+    return [(count - hi, count - lo) for lo, hi in reversed(_Relay(count).groups)]
+
+
 def _download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[str], sizes: list[int | None],
-              outs: list[torch.Tensor]) -> list[tuple[int, int | None]]:
+              outs: list[torch.Tensor], done: queue.SimpleQueue) -> list[tuple[int, int | None]]:
     """Read objects: header ``j`` into ``head[j * HEAD_PEEK:]``, payload straight into
-    ``outs[j]``, in one batched transfer; unknown sizes are asked first. Per object: (its size or
-    Mooncake's code for it, bytes read or Mooncake's code; None: not read, because its header
-    would not fit HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs``
-    (its arguments) until it ends."""
+    ``outs[j]``, a group (:func:`read_groups`) at a time; each group, once read, goes to
+    ``done`` as ``(lo, hi, its results)`` (None at the end) for the caller to verify while the
+    next is read. Unknown sizes are asked first. Per object: (its size or Mooncake's code for
+    it, bytes read or Mooncake's code; None: not read, because its header would not fit
+    HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs`` (its
+    arguments) until it ends."""
     result: list[tuple[int, int | None]] = []
-    batch: list[int] = []
-    for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
-        size = store.get_size(name) if size is None else size
-        hlen = size - out.numel()
-        result.append((size, None))
-        if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
-            batch.append(j)
-    if not batch:
-        return result
+    registered: list[int] = []
     base = head.data_ptr()
     try:
-        got = store.batch_get_into_multi_buffers(
-            [names[j] for j in batch],
-            [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
-            [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
+        for name, size, out in zip(names, sizes, outs, strict=True):
+            size = store.get_size(name) if size is None else size
+            hlen = size - out.numel()
+            result.append((size, None))
+            if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
+                registered.append(len(result) - 1)
+        for lo, hi in read_groups(len(names)):
+            batch = [j for j in registered if lo <= j < hi]
+            if batch:
+                got = store.batch_get_into_multi_buffers(
+                    [names[j] for j in batch],
+                    [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
+                    [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
+                for j, rc in zip(batch, got, strict=True):
+                    result[j] = (result[j][0], rc)
+            done.put((lo, hi, result[lo:hi]))
     finally:
-        for j in batch:
+        done.put(None)
+        for j in registered:
             store.unregister_buffer(outs[j].data_ptr())
-    for j, rc in zip(batch, got, strict=True):
-        result[j] = (result[j][0], rc)
     return result
 
 
@@ -299,8 +372,9 @@ class MooncakeTier(RemoteTier):
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
                  segment_bytes: int | None = None) -> list[PutOutcome]:
-        """Like :meth:`Tier.put_many`, in one call into Mooncake (one put session start, one
-        batched transfer, one session end for all); CPU data is sent from where it lies."""
+        """Like :meth:`Tier.put_many`, in one call into Mooncake: one put session start and one
+        end for all, the objects sent one after the other from where they lie while this thread
+        checksums the next one."""
         if len(keys) != len(datas):
             raise ValueError(f"mooncake: put_many got {len(keys)} keys and {len(datas)} entries")
         srcs = [as_byte_tensor(d) for d in datas]
@@ -317,18 +391,43 @@ class MooncakeTier(RemoteTier):
                 results[i] = exc
         if not todo:
             return results
-        heads = [ObjectHeader.for_payload(checked[i][0], memoryview(srcs[i].numpy()).cast("B"), checked[i][1]).encode()
-                 for i in todo]
         names, sizes = [self._name(checked[i][0]) for i in todo], [checked[i][2] for i in todo]
-        batch, staging = [srcs[i] for i in todo], self._conn.staging
+        batch = [srcs[i] for i in todo]
+        spans, at = [], 0
+        for src, size in zip(batch, sizes, strict=True):
+            hlen = size - src.numel()
+            spans.append((at, hlen))
+            at += hlen + (src.numel() if src.numel() < ZERO_COPY_MIN else 0)
+        relay, failure = _Relay(len(todo)), []
+
+        def prepare(j: int) -> None:
+            """Header (and a small payload) of object ``j`` into ``buf``."""
+            key, seg, _ = checked[todo[j]]
+            payload = memoryview(batch[j].numpy()).cast("B")
+            (pos, hlen), n = spans[j], len(payload)
+            view = memoryview(buf.numpy())  # memoryview copies: no torch kernel for a memcpy
+            view[pos : pos + hlen] = ObjectHeader.for_payload(key, payload, seg).encode()
+            if n < ZERO_COPY_MIN:
+                view[pos + hlen : pos + hlen + n] = payload
+
+        def checksum() -> None:
+            failed = relay.feed(prepare, deadline)
+            if failed is not None:
+                failure.append(failed)
+
+        staging = self._conn.staging
         try:
-            codes = self._conn.call("put", lambda s: _upload(s, staging, names, heads, batch, sizes),
-                                    codes=lambda _: ())  # an outage fails only the entries it hit
+            buf = self._conn.staging_for("put", at)
+            deadline = time.monotonic() + self.config.timeout_s
+            codes = self._conn.call(
+                "put", lambda s: _upload(s, staging, buf, spans, names, batch, sizes, relay), staging=buf,
+                codes=lambda _: (), during=checksum)  # an outage fails only the entries it hit
         except Unavailable:
             for i in todo:
                 self._settle(checked[i][0], None)
                 results[i] = TierFullError("mooncake: server unavailable")
             return results
+        staging.give(buf)
         outage = next((rc for _, rc in codes if is_outage(rc)), None)
         if outage is not None:
             self._conn.health.failed("put", code_name(outage))
@@ -342,6 +441,8 @@ class MooncakeTier(RemoteTier):
                 results[i] = self._settle(key, None)
             else:
                 results[i] = self._wrote(key, srcs[i].numel())
+        if failure:  # the objects checksummed before it were stored
+            raise failure[0]
         return results
 
     def _wrote(self, key: ChunkKey, nbytes: int) -> bool:
@@ -421,55 +522,85 @@ class MooncakeTier(RemoteTier):
         results = [False] * len(keys)
         fallback = [i for i in range(len(keys)) if i not in set(direct)]
         if direct:
-            names = [self._name(keys[i]) for i in direct]
-            sizes = [None if k is None else k[1] for k in known]
-            targets = [outs[i] for i in direct]
-            try:
-                head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
-                got = self._conn.call("get", lambda s: _download(s, head, names, sizes, targets), late,
-                                      staging=head, codes=lambda r: [c for pair in r for c in pair])
-            except Unavailable:
-                self.stats.misses += len(direct)
-                got = None
-            if got is not None:
-                try:
-                    view = memoryview(head.numpy())
-                    for j, (i, (size, rc)) in enumerate(zip(direct, got, strict=True)):
-                        ok = self._verify(keys[i], view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK], size, rc, outs[i])
-                        if ok is None:
-                            fallback.append(i)
-                        else:
-                            results[i] = ok
-                finally:
-                    self._conn.staging.give(head)
+            self._read_direct(keys, outs, direct, known, results, fallback, late)
         for i in sorted(fallback):
             results[i] = self.get(keys[i], out=outs[i]) is not None
         return results
 
-    def _verify(self, key: ChunkKey, head: memoryview, size: int, got: int | None, out: torch.Tensor) -> bool | None:
-        """Check one read of :meth:`get_many_into`: its header (in ``head``) and the payload in
-        ``out``. None: it could not be read that way (let :meth:`get` say what is wrong)."""
+    def _read_direct(self, keys: list[ChunkKey], outs: Sequence[torch.Tensor], direct: list[int],
+                     known: list[tuple[int, int] | None], results: list[bool], fallback: list[int],
+                     late: Callable[[Future], None]) -> None:
+        """The reads of :meth:`get_many_into` straight into ``outs``: one call, which reads a
+        group of objects while this thread verifies the group before."""
+        names = [self._name(keys[i]) for i in direct]
+        sizes = [None if k is None else k[1] for k in known]
+        targets = [outs[i] for i in direct]
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        verdicts: list[object] = [None] * len(direct)
+        failure: list[BaseException] = []
+
+        def verify() -> None:  # no call into Mooncake here: the call in flight holds the worker
+            try:
+                while (group := done.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+                    lo, hi, read = group
+                    for j, (size, rc) in zip(range(lo, hi), read, strict=True):
+                        head = view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK]
+                        verdicts[j] = self._check(keys[direct[j]], head, size, rc, targets[j])
+            except queue.Empty:
+                pass  # too late: the call is given up on
+            except BaseException as exc:  # noqa: BLE001 - raised again once the call has ended
+                failure.append(exc)
+
+        try:
+            head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
+            view = memoryview(head.numpy())
+            deadline = time.monotonic() + self.config.timeout_s
+            self._conn.call("get", lambda s: _download(s, head, names, sizes, targets, done), late,
+                            staging=head, codes=lambda r: [c for pair in r for c in pair], during=verify)
+        except Unavailable:
+            self.stats.misses += len(direct)
+            return
+        self._conn.staging.give(head)
+        if failure:
+            raise failure[0]
+        for j, i in enumerate(direct):
+            verdict = verdicts[j]
+            if verdict is True:
+                self.stats.hits += 1
+                self.stats.bytes_read += outs[i].numel()
+                results[i] = True
+            elif verdict is None:
+                fallback.append(i)
+            elif verdict[0] == "missing":  # type: ignore[index]
+                results[i] = self._missing(keys[i], verdict[1]) is not None  # type: ignore[index]
+            else:
+                results[i] = self._damaged(keys[i], verdict[1]) is not None  # type: ignore[index]
+
+    @staticmethod
+    def _check(key: ChunkKey, head: memoryview, size: int, got: int | None,
+               out: torch.Tensor) -> bool | tuple[str, int | str] | None:
+        """Verdict on one read of :meth:`get_many_into`: its header (in ``head``) and the payload
+        in ``out`` are right (True); ``("missing", code)``; ``("damaged", why)``; or None: it
+        could not be read that way (let :meth:`get` say what is wrong). Touches nothing else."""
         n = out.numel()
         if size < 0:
-            return self._missing(key, size) is not None
+            return ("missing", size)
         if got is None:
             return None
         if got < 0:
-            return self._missing(key, got) is not None
+            return ("missing", got)
         hlen = size - n
         try:
             if peek_header_len(head) != hlen:  # another payload size
                 return None
             header = ObjectHeader.decode(head[:hlen], key)
         except CorruptObject as exc:
-            return self._damaged(key, str(exc)) is not None
+            return ("damaged", str(exc))
         if got != size or header.nbytes != n:
-            return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
+            return ("damaged", f"read {got} of {size} bytes, header says {header.object_bytes}")
         bad = header.bad_segment(memoryview(out.numpy()), 0)
         if bad is not None:
-            return self._damaged(key, f"checksum mismatch in segment {bad}") is not None
-        self.stats.hits += 1
-        self.stats.bytes_read += n
+            return ("damaged", f"checksum mismatch in segment {bad}")
         return True
 
     def _missing(self, key: ChunkKey, rc: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -131,20 +132,26 @@ class MooncakeConnection:
     def call(self, what: str, fn: Callable[[MooncakeDistributedStore], T],
              abandoned: Callable[[Future], None] | None = None,
              staging: torch.Tensor | None = None,
-             codes: Callable[[T], Iterable[object]] | None = None) -> T:
+             codes: Callable[[T], Iterable[object]] | None = None,
+             during: Callable[[], None] | None = None) -> T:
         """``fn(store)`` on a worker; Unavailable (counted, logged) if down, failing or late.
         An int result (or an element of a list, or the last of a tuple, also of a tuple in a
         list) in Mooncake's outage range is a failure too; ``codes(result)``, if given, says
-        which codes to look at instead. A call given up on a timeout may still run: ``abandoned`` then
+        which codes to look at instead. ``during()`` runs in the caller's thread while the call
+        runs (work the call waits for, fed through a queue, say); it must not raise, and its time
+        counts against the timeout. A call given up on a timeout may still run: ``abandoned`` then
         gets its future (done once the call has ended or was cancelled before it started).
         ``staging``: a buffer of :attr:`staging` that ``fn`` uses (and refers to, which keeps it
         alive while the call runs); when the call fails it goes back to the pool, at once or,
         for a call given up on, once that call has ended."""
         running: Future | None = None
         try:
+            deadline = time.monotonic() + self.config.timeout_s
             future = self._workers.submit(fn, self.store(what))
+            if during is not None:
+                during()
             try:
-                result = future.result(timeout=self.config.timeout_s)
+                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 if not future.cancel():
                     running = future
