@@ -198,46 +198,34 @@ def _upload(store: MooncakeDistributedStore, staging: BufferPool, buf: torch.Ten
     return out
 
 
-def read_groups(count: int) -> list[tuple[int, int]]:
-    """Objects ``[lo, hi)`` read by one batched transfer each, largest group first, so that the
-    caller verifies one group while the next is read and only the last, smallest one's
-    verification is left when the reading ends."""
-    return [(count - hi, count - lo) for lo, hi in reversed(_Relay(count).groups)]
-
-
 def _download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[str], sizes: list[int | None],
-              outs: list[torch.Tensor], done: queue.SimpleQueue) -> list[tuple[int, int | None]]:
+              outs: list[torch.Tensor]) -> list[tuple[int, int | None]]:
     """Read objects: header ``j`` into ``head[j * HEAD_PEEK:]``, payload straight into
-    ``outs[j]``, a group (:func:`read_groups`) at a time; each group, once read, goes to
-    ``done`` as ``(lo, hi, its results)`` (None at the end) for the caller to verify while the
-    next is read. Unknown sizes are asked first. Per object: (its size or Mooncake's code for
-    it, bytes read or Mooncake's code; None: not read, because its header would not fit
-    HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs`` (its
-    arguments) until it ends."""
+    ``outs[j]``, in one batched transfer; unknown sizes are asked first. Per object: (its size or
+    Mooncake's code for it, bytes read or Mooncake's code; None: not read, because its header
+    would not fit HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs``
+    (its arguments) until it ends."""
     result: list[tuple[int, int | None]] = []
-    registered: list[int] = []
+    batch: list[int] = []
+    for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
+        size = store.get_size(name) if size is None else size
+        hlen = size - out.numel()
+        result.append((size, None))
+        if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
+            batch.append(j)
+    if not batch:
+        return result
     base = head.data_ptr()
     try:
-        for name, size, out in zip(names, sizes, outs, strict=True):
-            size = store.get_size(name) if size is None else size
-            hlen = size - out.numel()
-            result.append((size, None))
-            if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
-                registered.append(len(result) - 1)
-        for lo, hi in read_groups(len(names)):
-            batch = [j for j in registered if lo <= j < hi]
-            if batch:
-                got = store.batch_get_into_multi_buffers(
-                    [names[j] for j in batch],
-                    [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
-                    [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
-                for j, rc in zip(batch, got, strict=True):
-                    result[j] = (result[j][0], rc)
-            done.put((lo, hi, result[lo:hi]))
+        got = store.batch_get_into_multi_buffers(
+            [names[j] for j in batch],
+            [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
+            [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
     finally:
-        done.put(None)
-        for j in registered:
+        for j in batch:
             store.unregister_buffer(outs[j].data_ptr())
+    for j, rc in zip(batch, got, strict=True):
+        result[j] = (result[j][0], rc)
     return result
 
 
@@ -522,85 +510,55 @@ class MooncakeTier(RemoteTier):
         results = [False] * len(keys)
         fallback = [i for i in range(len(keys)) if i not in set(direct)]
         if direct:
-            self._read_direct(keys, outs, direct, known, results, fallback, late)
+            names = [self._name(keys[i]) for i in direct]
+            sizes = [None if k is None else k[1] for k in known]
+            targets = [outs[i] for i in direct]
+            try:
+                head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
+                got = self._conn.call("get", lambda s: _download(s, head, names, sizes, targets), late,
+                                      staging=head, codes=lambda r: [c for pair in r for c in pair])
+            except Unavailable:
+                self.stats.misses += len(direct)
+                got = None
+            if got is not None:
+                try:
+                    view = memoryview(head.numpy())
+                    for j, (i, (size, rc)) in enumerate(zip(direct, got, strict=True)):
+                        ok = self._verify(keys[i], view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK], size, rc, outs[i])
+                        if ok is None:
+                            fallback.append(i)
+                        else:
+                            results[i] = ok
+                finally:
+                    self._conn.staging.give(head)
         for i in sorted(fallback):
             results[i] = self.get(keys[i], out=outs[i]) is not None
         return results
 
-    def _read_direct(self, keys: list[ChunkKey], outs: Sequence[torch.Tensor], direct: list[int],
-                     known: list[tuple[int, int] | None], results: list[bool], fallback: list[int],
-                     late: Callable[[Future], None]) -> None:
-        """The reads of :meth:`get_many_into` straight into ``outs``: one call, which reads a
-        group of objects while this thread verifies the group before."""
-        names = [self._name(keys[i]) for i in direct]
-        sizes = [None if k is None else k[1] for k in known]
-        targets = [outs[i] for i in direct]
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        verdicts: list[object] = [None] * len(direct)
-        failure: list[BaseException] = []
-
-        def verify() -> None:  # no call into Mooncake here: the call in flight holds the worker
-            try:
-                while (group := done.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
-                    lo, hi, read = group
-                    for j, (size, rc) in zip(range(lo, hi), read, strict=True):
-                        head = view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK]
-                        verdicts[j] = self._check(keys[direct[j]], head, size, rc, targets[j])
-            except queue.Empty:
-                pass  # too late: the call is given up on
-            except BaseException as exc:  # noqa: BLE001 - raised again once the call has ended
-                failure.append(exc)
-
-        try:
-            head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
-            view = memoryview(head.numpy())
-            deadline = time.monotonic() + self.config.timeout_s
-            self._conn.call("get", lambda s: _download(s, head, names, sizes, targets, done), late,
-                            staging=head, codes=lambda r: [c for pair in r for c in pair], during=verify)
-        except Unavailable:
-            self.stats.misses += len(direct)
-            return
-        self._conn.staging.give(head)
-        if failure:
-            raise failure[0]
-        for j, i in enumerate(direct):
-            verdict = verdicts[j]
-            if verdict is True:
-                self.stats.hits += 1
-                self.stats.bytes_read += outs[i].numel()
-                results[i] = True
-            elif verdict is None:
-                fallback.append(i)
-            elif verdict[0] == "missing":  # type: ignore[index]
-                results[i] = self._missing(keys[i], verdict[1]) is not None  # type: ignore[index]
-            else:
-                results[i] = self._damaged(keys[i], verdict[1]) is not None  # type: ignore[index]
-
-    @staticmethod
-    def _check(key: ChunkKey, head: memoryview, size: int, got: int | None,
-               out: torch.Tensor) -> bool | tuple[str, int | str] | None:
-        """Verdict on one read of :meth:`get_many_into`: its header (in ``head``) and the payload
-        in ``out`` are right (True); ``("missing", code)``; ``("damaged", why)``; or None: it
-        could not be read that way (let :meth:`get` say what is wrong). Touches nothing else."""
+    def _verify(self, key: ChunkKey, head: memoryview, size: int, got: int | None, out: torch.Tensor) -> bool | None:
+        """Check one read of :meth:`get_many_into`: its header (in ``head``) and the payload in
+        ``out``. None: it could not be read that way (let :meth:`get` say what is wrong)."""
         n = out.numel()
         if size < 0:
-            return ("missing", size)
+            return self._missing(key, size) is not None
         if got is None:
             return None
         if got < 0:
-            return ("missing", got)
+            return self._missing(key, got) is not None
         hlen = size - n
         try:
             if peek_header_len(head) != hlen:  # another payload size
                 return None
             header = ObjectHeader.decode(head[:hlen], key)
         except CorruptObject as exc:
-            return ("damaged", str(exc))
+            return self._damaged(key, str(exc)) is not None
         if got != size or header.nbytes != n:
-            return ("damaged", f"read {got} of {size} bytes, header says {header.object_bytes}")
+            return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
         bad = header.bad_segment(memoryview(out.numpy()), 0)
         if bad is not None:
-            return ("damaged", f"checksum mismatch in segment {bad}")
+            return self._damaged(key, f"checksum mismatch in segment {bad}") is not None
+        self.stats.hits += 1
+        self.stats.bytes_read += n
         return True
 
     def _missing(self, key: ChunkKey, rc: int) -> None:
