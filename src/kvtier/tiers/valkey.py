@@ -25,14 +25,16 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
-from valkey.exceptions import NoScriptError
+from valkey.exceptions import NoScriptError, ResponseError
 
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers import valkey_lua as lua
 from kvtier.tiers.base import (
     EntryExistsError,
+    PutOutcome,
     Reservation,
     TierFullError,
     as_byte_tensor,
@@ -40,7 +42,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier, segment_count
 from kvtier.tiers.remote_config import ValkeyTierConfig
-from kvtier.tiers.valkey_io import Unavailable, ValkeyConnection, bulks, overlapped
+from kvtier.tiers.valkey_io import Unavailable, Upload, ValkeyConnection, bulks, overlapped
 
 __all__ = ["ValkeyTier", "ValkeyTierConfig"]
 
@@ -51,6 +53,19 @@ _PIECE = 512 << 10
 piece right after sending it (the last one just before: it leaves with the script call), while
 its bytes are still in the core's cache and the server takes them: cheaper than checksumming the
 whole payload before or after the upload (which reads it from memory again)."""
+
+
+@dataclass(slots=True)
+class _Put:
+    """One chunk of :meth:`ValkeyTier.put_many`."""
+
+    key: ChunkKey
+    segment_bytes: int
+    charge: int
+    view: memoryview
+    tmp: str = ""
+    args: list[object] = field(default_factory=list)
+    """The script's keys past the fixed ones and its arguments, header last (once packed)."""
 
 
 class ValkeyTier(RemoteTier):
@@ -65,7 +80,7 @@ class ValkeyTier(RemoteTier):
         self._idx, self._meta, self._used_key = f"{{{p}}}:idx", f"{{{p}}}:meta", f"{{{p}}}:used"
         self._seq, self._resv, self._resvb = f"{{{p}}}:seq", f"{{{p}}}:resv", f"{{{p}}}:resvb"
         self._put_keys = [self._used_key, self._resv, self._resvb, self._meta, self._idx, self._seq]
-        # the fixed head of _put_at_once's script call, packed once: 3 + 9 keys + 5 arguments
+        # the fixed head of a put's script call, packed once: 3 + 9 keys + 5 arguments
         self._put_head = b"*17\r\n" + bulks("EVALSHA", lua.sha(lua.PUT), 9, *self._put_keys)
         self._conn = ValkeyConnection(config, self.stats)
         self.health = self._conn.health
@@ -142,21 +157,58 @@ class ValkeyTier(RemoteTier):
         if src.device.type != "cpu" or src.numel() == 0:
             return super().put(key, src, segment_bytes)
         if not self.config.cluster:
-            return self._put_at_once(key, src, segment_bytes)
+            outcome = self.put_many([key], [src], segment_bytes)[0]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
         key, seg, token = self._take(key, src.numel(), segment_bytes)
         return self._write(key, src, seg, token)
 
-    def _put_at_once(self, key: ChunkKey, src: torch.Tensor, segment_bytes: int | None) -> bool:
-        """A standalone put in one round trip: the payload goes to a temporary key that expires,
-        piece by piece, checksummed as it goes (see ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload into
-        place and stores the header, or drops the payload. Costs an upload when refused (the
-        tier is full: the caller evicts anyway)."""
-        key, seg, charge = self._check_request(key, src.numel(), segment_bytes)
-        view = memoryview(src.numpy()).cast("B")
+    def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
+                 segment_bytes: int | None = None) -> list[PutOutcome]:
+        """Like :meth:`Tier.put_many`. On a standalone server, in one round trip for all: each
+        payload goes to a temporary key that expires, piece by piece, checksummed as it goes
+        (see ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload
+        into place and stores the header, or drops the payload. A refused chunk costs its
+        upload (the tier is full: the caller evicts anyway; the uploader asks first which
+        chunks are there already). The next chunk goes out while the server takes one."""
+        if len(keys) != len(datas):
+            raise ValueError(f"valkey: put_many got {len(keys)} keys and {len(datas)} entries")
+        srcs = [as_byte_tensor(d) for d in datas]
+        if self.config.cluster or any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
+            return super().put_many(keys, srcs, segment_bytes)
+        puts = [_Put(*self._check_request(k, src.numel(), segment_bytes), memoryview(src.numpy()).cast("B"))
+                for k, src in zip(keys, srcs, strict=True)]
+        ttl = int(self.config.reservation_ttl_s * 1000)
+        uploads = [self._upload(put, ttl) for put in puts]
+
+        def upload(c) -> list[list | Exception]:
+            out: list[list | Exception] = []
+            for put, (stored, reply) in zip(puts, overlapped(c, uploads), strict=True):
+                if isinstance(reply, NoScriptError) and not isinstance(stored, Exception):
+                    try:
+                        reply = lua.run(c, lua.PUT, self._put_keys + put.args[:3], put.args[3:])
+                    except ResponseError as exc:
+                        reply = exc
+                failed = next((r for r in (stored, reply) if isinstance(r, Exception)), None)
+                if failed is not None:  # e.g. out of memory
+                    c.delete(put.tmp)
+                out.append(failed if failed is not None else reply)  # type: ignore[arg-type]
+            return out
+
+        try:
+            replies = self._conn.run("put", upload)
+        except Unavailable:
+            return [TierFullError("valkey: server unavailable") for _ in puts]
+        return [self._put_done(put, reply) for put, reply in zip(puts, replies, strict=True)]
+
+    def _upload(self, put: _Put, ttl: int) -> Upload:
+        """The commands of one put: the payload to ``put.tmp``, then the script call, packed
+        once every piece has been sent and checksummed."""
+        key, seg, view = put.key, put.segment_bytes, put.view
         hkey, dkey = self._data_keys(key)
-        tmp = f"{dkey}.{secrets.token_hex(8)}"
+        put.tmp = f"{dkey}.{secrets.token_hex(8)}"
         sums: list[int] = []
-        args: list[object] = []  # the script's keys past the fixed ones and its arguments, header last
 
         def sent(part: memoryview) -> None:  # whole segments, in order
             sums.extend(ObjectHeader.for_payload(key, part, seg).checksums)
@@ -165,29 +217,27 @@ class ValkeyTier(RemoteTier):
             if len(sums) != segment_count(len(view), seg):  # never publish a header that lies
                 raise RuntimeError(f"valkey: {len(sums)} checksums for {segment_count(len(view), seg)} segments")
             header = ObjectHeader(key, len(view), seg, tuple(sums)).encode()
-            args.extend((tmp, hkey, dkey, key.hex(), charge, self.capacity, len(view), header))
-            return self._put_head + bulks(*args)
+            put.args = [put.tmp, hkey, dkey, key.hex(), put.charge, self.capacity, len(view), header]
+            return self._put_head + bulks(*put.args)
 
-        def upload(c) -> list:
-            ttl, piece = int(self.config.reservation_ttl_s * 1000), seg * max(1, _PIECE // seg)
-            stored, reply = overlapped(c, ("SET", tmp, view, "PX", ttl), script_call, piece, sent)
-            if isinstance(reply, NoScriptError) and not isinstance(stored, Exception):
-                reply = lua.run(c, lua.PUT, self._put_keys + args[:3], args[3:])
-            for r in (stored, reply):
-                if isinstance(r, Exception):  # e.g. out of memory
-                    c.delete(tmp)
-                    raise r
-            return reply  # type: ignore[return-value]
+        return Upload(("SET", put.tmp, view, "PX", ttl), script_call, seg * max(1, _PIECE // seg), sent)
 
-        reply = self._run_or_full("put", upload)
-        self._admitted(key, reply)
+    def _put_done(self, put: _Put, reply: list | Exception) -> PutOutcome:
+        """The outcome of one put of :meth:`put_many` from its script's reply."""
+        if isinstance(reply, Exception):
+            self._conn.health.refused("put", reply)
+            return TierFullError(f"valkey: put refused: {reply}")
+        try:
+            self._admitted(put.key, reply)
+        except (EntryExistsError, TierFullError) as exc:
+            return exc
         if reply[0] != 1:
             self.stats.errors += 1
-            log.warning("valkey: upload of chunk %s vanished before it was published", key.hex())
+            log.warning("valkey: upload of chunk %s vanished before it was published", put.key.hex())
             return False
-        self._remember_header(key, args[-1])  # type: ignore[arg-type]
+        self._remember_header(put.key, put.args[-1])  # type: ignore[arg-type]
         self.stats.writes += 1
-        self.stats.bytes_written += len(view)
+        self.stats.bytes_written += len(put.view)
         return True
 
     def _write(self, key: ChunkKey, payload: torch.Tensor, seg: int, token: str) -> bool:

@@ -7,6 +7,7 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import valkey
@@ -59,47 +60,58 @@ def _send(conn: valkey.connection.Connection, parts: list[bytes | memoryview]) -
                 views[0], n = views[0][n:], 0
 
 
-def overlapped(client: valkey.Valkey, first: tuple[object, ...], then: Callable[[], bytes],
-               piece: int = 0, sent: Callable[[memoryview], None] | None = None) -> tuple[object, object]:
-    """Send command ``first`` (a big upload, say: a memoryview argument goes out without being
-    copied), then the command ``then()`` packs (:func:`bulks`) while the server takes the first,
-    and read both replies, a server error as its exception object. A memoryview argument goes
-    out ``piece`` bytes at a time (all at once without ``piece``), and ``sent(part)`` runs after
-    each part (it reads bytes still in this core's cache while the server takes them), except
-    the last, which it sees before it leaves together with the second command. The commands
-    are packed here, not by valkey-py, whose C packer (with libvalkey) copies buffers.
-    Standalone clients only; a broken connection is dropped, not reused."""
+@dataclass(slots=True)
+class Upload:
+    """A big command ``first`` (its memoryview argument goes out without being copied, ``piece``
+    bytes at a time, or all at once without ``piece``), then the command ``then()`` packs
+    (:func:`bulks`), written while the server takes the first. ``sent(part)`` runs after each
+    part leaves (it reads bytes still in this core's cache while the server takes them), except
+    the last, which it sees before it leaves together with the second command."""
+
+    first: tuple[object, ...]
+    then: Callable[[], bytes]
+    piece: int = 0
+    sent: Callable[[memoryview], None] | None = None
+
+
+def overlapped(client: valkey.Valkey, uploads: list[Upload]) -> list[tuple[object, object]]:
+    """Send ``uploads`` one after the other on one connection (the server works on one while the
+    next goes out), then read the two replies of each, a server error as its exception object.
+    The commands are packed here, not by valkey-py, whose C packer (with libvalkey) copies
+    buffers. Standalone clients only; a broken connection is dropped, not reused."""
     pool = client.connection_pool
-    conn = pool.get_connection(str(first[0]))
+    conn = pool.get_connection("SET")
     try:
         conn.check_health()  # before the first byte: nothing may come between a command's parts
         pending: list[bytes | memoryview] = []
-        head = b"*%d\r\n" % len(first)
-        for arg in first:
-            if not isinstance(arg, memoryview):
-                head += bulks(arg)  # type: ignore[arg-type]
-                continue
-            arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
-            pending.append(head + b"$%d\r\n" % len(arg))
-            step = piece or len(arg)
-            pieces = [arg[at : at + step] for at in range(0, len(arg), step)]
-            for part in pieces[:-1]:
-                _send(conn, [*pending, part])
-                pending = []
-                if sent is not None:
-                    sent(part)
-            if sent is not None:  # the last piece leaves with what follows, in one system call
-                sent(pieces[-1])
-            pending.append(pieces[-1])
-            head = b"\r\n"
-        _send(conn, [*pending, head + then()])
+        for up in uploads:
+            head = b"*%d\r\n" % len(up.first)
+            for arg in up.first:
+                if not isinstance(arg, memoryview):
+                    head += bulks(arg)  # type: ignore[arg-type]
+                    continue
+                arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
+                pending.append(head + b"$%d\r\n" % len(arg))
+                step = up.piece or len(arg)
+                pieces = [arg[at : at + step] for at in range(0, len(arg), step)]
+                for part in pieces[:-1]:
+                    _send(conn, [*pending, part])
+                    pending = []
+                    if up.sent is not None:
+                        up.sent(part)
+                if up.sent is not None:  # the last piece leaves with what follows, in one system call
+                    up.sent(pieces[-1])
+                pending.append(pieces[-1])
+                head = b"\r\n"
+            pending.append(head + up.then())
+        _send(conn, pending)
         replies: list[object] = []
-        for _ in range(2):
+        for _ in range(2 * len(uploads)):
             try:
                 replies.append(conn.read_response())
             except ResponseError as exc:
                 replies.append(exc)
-        return replies[0], replies[1]
+        return [(replies[i], replies[i + 1]) for i in range(0, len(replies), 2)]
     except BaseException:
         conn.disconnect()
         raise
