@@ -121,7 +121,9 @@ def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared
     obj = bytearray(raw.get(name))
     obj[header_len(big // SEGMENT) + 7 * SEGMENT + 1] ^= 0x01  # one bit of segment 7
     assert raw.upsert(name, bytes(obj)) == 0
-    assert not reader.get_into(key(2), out, late.append)
+    outs = [torch.zeros(big, dtype=torch.uint8) for _ in range(3)]
+    assert reader.get_many_into([key(0), key(2), key(1)], outs, late.append) == [True, False, True]
+    assert torch.equal(outs[0], data(0, big)) and torch.equal(outs[2], data(1, big))
     assert reader.stats.corrupt == 1 and "checksum mismatch in segment 7" in caplog.text
     assert not writer.contains(key(2)) and late == []
     assert reader.get_into(key(0), out, late.append) and torch.equal(out, data(0, big))  # nothing else lost

@@ -109,6 +109,18 @@ def test_corrupted_bytes_are_a_counted_miss_never_wrong_bytes(valkey_standalone,
         assert tier.keys() == [] and tier.used == 0
 
 
+def test_a_corrupted_chunk_in_a_batched_read_is_a_miss_and_the_rest_are_read(valkey_standalone):
+    raw = valkey_standalone.client()
+    with open_tier([valkey_standalone.address]) as tier:
+        assert tier.put_many([key(i) for i in range(3)], [data(i) for i in range(3)], SEGMENT) == [True] * 3
+        raw.setrange(f"{{{tier.config.prefix}:{key(1).hex()}}}:d", 3 * SEGMENT + 5, b"\x00\xff")
+        outs = [torch.zeros(ENTRY, dtype=torch.uint8) for _ in range(4)]
+        got = tier.get_many_into([key(0), key(1), key(2), key(7)], outs, lambda _: None)
+        assert got == [True, False, True, False]
+        assert torch.equal(outs[0], data(0)) and torch.equal(outs[2], data(2))
+        assert tier.stats.corrupt == 1 and tier.stats.misses == 2 and not tier.contains(key(1))
+
+
 def test_server_down_at_start_then_up(valkey_private):
     tier = open_tier([valkey_private.address], timeout_s=0.5, reconnect_interval_s=0.2)
     assert tier.get(key(1)) is None and not tier.contains(key(1)) and tier.keys() == []

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -328,6 +329,12 @@ class ValkeyTier(RemoteTier):
         except Unavailable:
             self.stats.misses += 1
             return None
+        return self._accept(key, raw, data, whole, offset, length, out)
+
+    def _accept(self, key: ChunkKey, raw: bytes | None, data: bytes | None, whole: bool, offset: int,
+                length: int | None, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Verify what a read fetched (header ``raw``; ``data``: the whole payload, or the
+        segments covering the range) and deliver the range, as :meth:`get` returns it."""
         if raw is None or data is None:
             return self._missing(key)
         try:
@@ -344,6 +351,40 @@ class ValkeyTier(RemoteTier):
             return self._damaged(key, "payload shorter than its header says")
         self._remember_header(key, raw)
         return self._deliver(key, header, memoryview(data), want_lo, offset, length, out)
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[torch.Tensor],
+                      late: Callable[[Future], None]) -> list[bool]:
+        """Like :meth:`Tier.get_many_into`. On a standalone server, one pipeline of the chunks'
+        reads (one round trip), each verified as :meth:`get` verifies (a cluster pipeline has no
+        MGET, which reads a chunk's header and payload at once: one ``get`` after the other
+        there). ``late`` is never called: nothing writes an ``out`` after this returns."""
+        if len(keys) != len(outs):
+            raise ValueError(f"valkey: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        if self.config.cluster:
+            return super().get_many_into(keys, outs, late)
+        keys = [check_key(k) for k in keys]
+        names = [self._data_keys(k) for k in keys]
+
+        def fetch(c) -> list:
+            pipe = c.pipeline(transaction=False)
+            for hkey, dkey in names:
+                pipe.mget(hkey, dkey)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._conn.run("get", fetch) if keys else []
+        except Unavailable:
+            self.stats.misses += len(keys)
+            return [False] * len(keys)
+        results = []
+        for key, out, reply in zip(keys, outs, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._conn.health.refused("get", reply)
+                self.stats.misses += 1
+                results.append(False)
+            else:
+                results.append(self._accept(key, reply[0], reply[1], True, 0, None, out) is not None)
+        return results
 
     def _remember_header(self, key: ChunkKey, raw: bytes) -> None:
         with self._lock:
