@@ -22,19 +22,20 @@ What is shared and what is per process:
 Every Mooncake call runs on a worker thread and is abandoned after ``timeout_s`` (Mooncake's own
 RPC and transfer timeouts are 30 s). An abandoned call may still touch its buffers later, so
 ``get`` reads into staging buffers the tier owns (given back to the pool only once the call has
-ended) and copies out after verification. ``get_into`` (how the store promotes a chunk) reads
-the payload straight into the caller's buffer and verifies it there, saving that copy; an
-abandoned one hands its future to the caller, who keeps the buffer until it is done. Large
-writes send from the caller's tensor (a late read of it is harmless: a changed byte fails its
-checksum). An abandoned write may still complete: the chunk is then in the pool but not in this
-process's list.
+ended) and copies out after verification. ``get_many_into`` (how the store promotes chunks; also
+``get_into``, a batch of one) reads the payloads of a batch straight into the callers' buffers
+in one batched transfer and verifies them there, saving that copy; an abandoned one hands its
+future to the caller, who keeps the buffers until it is done. ``put_many`` (and ``put``, a batch
+of one) opens the put sessions of a batch with one RPC, sends the objects in growing groups
+while the caller's thread checksums the next group (:class:`~kvtier.tiers.mooncake_calls.Relay`), and ends them with one
+RPC. Large writes send from the caller's tensor (a late read of it is harmless: a changed byte
+fails its checksum). An abandoned write may still complete: the chunk is then in the pool but
+not in this process's list.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,10 +54,21 @@ from kvtier.tiers.base import (
     as_byte_tensor,
     check_key,
 )
+from kvtier.tiers.mooncake_calls import (
+    HEAD_PEEK,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    REPLICA_IS_NOT_READY,
+    ZERO_COPY_MIN,
+    Relay,
+    download,
+    start_sessions,
+    upload,
+)
 from kvtier.tiers.mooncake_io import MooncakeConnection, Unavailable, code_name, is_outage
 from kvtier.tiers.remote import (
     FIXED_BYTES,
-    BufferPool,
     CorruptObject,
     ObjectHeader,
     RemoteTier,
@@ -67,167 +79,6 @@ from kvtier.tiers.remote_config import MooncakeTierConfig
 __all__ = ["MooncakeTier", "MooncakeTierConfig"]
 
 log = logging.getLogger(__name__)
-
-NO_AVAILABLE_HANDLE, INVALID_PARAMS = -200, -600
-REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS = -703, -704, -705
-HEAD_PEEK = 4096
-"""Bytes read to learn an object's header (that of a 32-layer chunk takes 312 bytes)."""
-ZERO_COPY_MIN = 64 << 10
-"""Payloads from this size on are sent from the caller's memory, smaller ones copied."""
-
-
-def _start_sessions(store: MooncakeDistributedStore, names: list[str], sizes: list[int]) -> list[int]:
-    """Open put sessions (Mooncake's PutStart), one code per name. A session this client left
-    open after a failed attempt (the master was down when it tried to revoke) is revoked and
-    its start retried."""
-    rcs = store.batch_put_session_start(names, sizes)
-    stale = [i for i, rc in enumerate(rcs) if rc == INVALID_PARAMS]
-    if stale:
-        again = [names[i] for i in stale]
-        store.batch_put_session_revoke(again)
-        for i, rc in zip(stale, store.batch_put_session_start(again, [sizes[i] for i in stale]), strict=True):
-            rcs[i] = rc
-    return rcs
-
-
-class _Relay:
-    """Objects handed from the caller's thread, which checksums them, to a Mooncake call, which
-    sends them in groups of 1, 2, 4... objects (a batched transfer is quicker than single ones;
-    checksumming a group takes a fraction of the time sending the one before takes). The caller
-    checksums group ``g + 1`` while the call sends group ``g`` (Mooncake's transfer runs without
-    the GIL); it waits for the call to take group ``g`` before it starts on the next one, and
-    the call takes it just before its transfer, so that the caller never holds the GIL when
-    the call needs it (a thread waiting for the GIL waits up to the interpreter's switch
-    interval, 5 ms). In such a pipeline the checksums cost about one object's worth."""
-
-    def __init__(self, count: int) -> None:
-        self.groups: list[tuple[int, int]] = []
-        lo, size = 0, 1
-        while lo < count:
-            hi = count if count - lo < 3 * size else lo + size  # a short tail joins the last group
-            self.groups.append((lo, hi))
-            lo, size = hi, 2 * size
-        self.started = threading.Event()
-        self.ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the caller gave up
-        self.taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the call is over
-
-    def feed(self, prepare: Callable[[int], None], deadline: float) -> BaseException | None:
-        """The caller's side: ``prepare(j)`` each object in turn; what it raised, if it did.
-        Gives up at ``deadline`` (the call is then abandoned by its caller)."""
-        try:
-            # the call's first RPC (put session start) runs while group 0 is checksummed
-            if not self.started.wait(max(0.0, deadline - time.monotonic())):
-                return None
-            for lo, hi in self.groups:
-                for j in range(lo, hi):
-                    prepare(j)
-                self.ready.put(lo)
-                try:
-                    if self.taken.get(timeout=max(0.0, deadline - time.monotonic())) is None:
-                        return None
-                except queue.Empty:
-                    return None
-            return None
-        except BaseException as exc:  # noqa: BLE001 - raised again once the call has ended
-            return exc
-        finally:
-            self.ready.put(None)
-
-
-def _upload(store: MooncakeDistributedStore, staging: BufferPool, buf: torch.Tensor, spans: list[tuple[int, int]],
-            names: list[str], srcs: list[torch.Tensor], sizes: list[int],
-            relay: _Relay) -> list[tuple[bool, int]]:
-    """Put objects of ``sizes[j]`` bytes, header ``j`` at ``buf[spans[j][0]:]`` (``spans[j][1]``
-    bytes, followed by the payload when it is smaller than ZERO_COPY_MIN) and the payload in
-    ``srcs[j]`` (sent from where it lies). One put session start and one end for all; object
-    ``j`` is sent once ``relay`` hands it over (see :class:`_Relay`). Per object: (whether its
-    put session opened, Mooncake's code). Holds ``buf`` and ``srcs`` (its arguments) until it
-    ends."""
-    sent: list[int | None] = [None] * len(names)
-    registered: list[torch.Tensor] = []
-    copies: list[torch.Tensor] = []
-    try:
-        relay.started.set()
-        codes = _start_sessions(store, names, sizes)
-        for lo, hi in relay.groups:
-            if relay.ready.get() is None:
-                break
-            group, ptrs, lens, offsets = [], [], [], []
-            for j in range(lo, hi):
-                if codes[j] != 0:
-                    continue
-                src, (at, hlen), base = srcs[j], spans[j], buf.data_ptr()
-                n = src.numel()
-                group.append(j)
-                if n < ZERO_COPY_MIN:
-                    ptrs.append([base + at])
-                    lens.append([hlen + n])
-                    offsets.append([0])
-                    continue
-                if store.register_buffer(src.data_ptr(), n) == 0:
-                    registered.append(src)
-                else:  # it shares a page with registered memory, which Mooncake refuses to register twice
-                    src = staging.take(n)
-                    copies.append(src)
-                    memoryview(src.numpy())[:n] = memoryview(srcs[j].numpy()).cast("B")
-                ptrs.append([base + at, src.data_ptr()])
-                lens.append([hlen, n])
-                offsets.append([0, hlen])
-            relay.taken.put(lo)  # the caller checksums the next group while this one is sent
-            if group:
-                got = store.batch_put_from_multi_buffer_ranges([names[j] for j in group], ptrs, lens, offsets)
-                for j, g in zip(group, got, strict=True):
-                    sent[j] = g
-    finally:
-        relay.taken.put(None)
-        for src in registered:
-            store.unregister_buffer(src.data_ptr())
-        for copy in copies:
-            staging.give(copy)
-    out = [(rc == 0, rc) for rc in codes]
-    failed = [j for j, rc in enumerate(codes) if rc == 0 and sent[j] != sizes[j]]
-    if failed:
-        store.batch_put_session_revoke([names[j] for j in failed])
-        for j in failed:
-            got = sent[j]
-            out[j] = (True, got if got is not None and got < 0 else -1)
-    done = [j for j, rc in enumerate(codes) if rc == 0 and sent[j] == sizes[j]]
-    if done:
-        for j, rc in zip(done, store.batch_put_session_end([names[j] for j in done]), strict=True):
-            out[j] = (True, rc)
-    return out
-
-
-def _download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[str], sizes: list[int | None],
-              outs: list[torch.Tensor]) -> list[tuple[int, int | None]]:
-    """Read objects: header ``j`` into ``head[j * HEAD_PEEK:]``, payload straight into
-    ``outs[j]``, in one batched transfer; unknown sizes are asked first. Per object: (its size or
-    Mooncake's code for it, bytes read or Mooncake's code; None: not read, because its header
-    would not fit HEAD_PEEK or ``outs[j]`` cannot be registered). Holds ``head`` and ``outs``
-    (its arguments) until it ends."""
-    result: list[tuple[int, int | None]] = []
-    batch: list[int] = []
-    for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
-        size = store.get_size(name) if size is None else size
-        hlen = size - out.numel()
-        result.append((size, None))
-        if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
-            batch.append(j)
-    if not batch:
-        return result
-    base = head.data_ptr()
-    try:
-        got = store.batch_get_into_multi_buffers(
-            [names[j] for j in batch],
-            [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],
-            [[result[j][0] - outs[j].numel(), outs[j].numel()] for j in batch])
-    finally:
-        for j in batch:
-            store.unregister_buffer(outs[j].data_ptr())
-    for j, rc in zip(batch, got, strict=True):
-        result[j] = (result[j][0], rc)
-    return result
-
 
 @dataclass(slots=True)
 class _Open:
@@ -300,7 +151,7 @@ class MooncakeTier(RemoteTier):
         staging = None
         try:
             staging = self._conn.staging_for("reserve", charge)
-            rc = self._conn.call("reserve", lambda s: _start_sessions(s, [name], [charge])[0])
+            rc = self._conn.call("reserve", lambda s: start_sessions(s, [name], [charge])[0])
         except Unavailable:
             if staging is not None:
                 self._conn.staging.give(staging)
@@ -386,7 +237,7 @@ class MooncakeTier(RemoteTier):
             hlen = size - src.numel()
             spans.append((at, hlen))
             at += hlen + (src.numel() if src.numel() < ZERO_COPY_MIN else 0)
-        relay, failure = _Relay(len(todo)), []
+        relay, failure = Relay(len(todo)), []
 
         def prepare(j: int) -> None:
             """Header (and a small payload) of object ``j`` into ``buf``."""
@@ -408,7 +259,7 @@ class MooncakeTier(RemoteTier):
             buf = self._conn.staging_for("put", at)
             deadline = time.monotonic() + self.config.timeout_s
             codes = self._conn.call(
-                "put", lambda s: _upload(s, staging, buf, spans, names, batch, sizes, relay), staging=buf,
+                "put", lambda s: upload(s, staging, buf, spans, names, batch, sizes, relay), staging=buf,
                 codes=lambda _: (), during=checksum)  # an outage fails only the entries it hit
         except Unavailable:
             for i in todo:
@@ -515,7 +366,7 @@ class MooncakeTier(RemoteTier):
             targets = [outs[i] for i in direct]
             try:
                 head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
-                got = self._conn.call("get", lambda s: _download(s, head, names, sizes, targets), late,
+                got = self._conn.call("get", lambda s: download(s, head, names, sizes, targets), late,
                                       staging=head, codes=lambda r: [c for pair in r for c in pair])
             except Unavailable:
                 self.stats.misses += len(direct)

@@ -12,7 +12,9 @@ reservations are keys under the ``{p}`` hash tag, changed only by the scripts of
 Lifecycle: ``reserve`` runs a script that refuses a key already committed or being written and
 charges the budget (TierFullError when it does not fit); the buffer it returns is local.
 ``commit`` writes header and payload, then a script publishes the chunk in the index; an entry
-is invisible until then. ``put`` on a standalone server does all of it in one round trip.
+is invisible until then. ``put`` on a standalone server does all of it in one round trip, and
+``put_many`` does a batch of puts in one round trip (the next upload goes out while the server
+takes one); ``get_many_into`` reads a batch with one pipeline.
 Reservations expire after ``reservation_ttl_s`` (a writer that died); the next writer returns
 their charge and deletes what they wrote. Deletes remove the bytes first, then the index entry:
 a crash in between leaves an index entry whose read misses and drops it. Pins are per process:
