@@ -88,6 +88,25 @@ def test_turn_one_on_machine_a_turn_two_on_machine_b_hits_the_remote_tier(layout
         assert b.lookup(turn2).tiers == ["host"] * 3
 
 
+def test_promoting_a_remote_run_never_evicts_another_chunk_of_the_hit(layout, valkey_standalone):
+    """B's DRAM holds 3 chunks, chunk 0 of the hit among them (write-back: only there). Making
+    room for the remote run 1-3 must not evict chunk 0 before the load reads it; the run that
+    DRAM cannot take whole is read one chunk after the other, as before."""
+    prefix = unique_prefix()
+    tokens = list(range(4 * C))
+    kv = make_kv(layout, 4 * C, seed=1)
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix)) as a:
+        assert a.save(tokens, kv).stored == 4
+        assert a.flush(timeout=10)
+    with store_on(layout, valkey_remote(valkey_standalone.address, prefix, write="back"), host_chunks=3) as b:
+        assert b.save(tokens[:C], [tuple(t[:, :C] for t in p) for p in kv]).stored == 1
+        hit = b.lookup(tokens)
+        assert hit.hit_tokens == 4 * C and hit.tiers == ["host"] + [b.remote.name] * 3
+        loaded = b.load(hit)
+        assert loaded.tokens == 4 * C and loaded.tiers[0] == "host"
+        assert_same(loaded, kv, 4 * C)
+
+
 def test_a_prefix_shared_by_many_sessions_is_stored_once_remotely(layout, valkey_standalone):
     prefix = unique_prefix()
     system = list(range(2 * C))

@@ -37,17 +37,19 @@ def test_queued_chunks_go_up_in_one_batch_and_chunks_already_there_are_not_sent(
     assert tier.put(key(3), data(3), SEGMENT)  # another instance uploaded it already
     sizes = batches_of(tier)
     uploader = Uploader(tier, SEGMENT, max_queued=16)
-    gate, outcomes = threading.Event(), {}
+    entered, gate, outcomes = threading.Event(), threading.Event(), {}
 
     def done(i):
         def record(ok: bool) -> None:
             outcomes[i] = ok
             if i == 0:
+                entered.set()
                 gate.wait(10)  # the uploader thread waits here while more chunks queue up
         return record
 
     try:
         assert uploader.submit(key(0), data(0), done(0))
+        assert entered.wait(10)  # chunk 0 went up alone; the next ones queue behind it
         for i in range(1, 6):
             assert uploader.submit(key(i), data(i), done(i))
         assert not uploader.submit(key(1), data(1), done(1))  # already queued

@@ -22,7 +22,14 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Copied
-from kvtier.tiers.base import EntryExistsError, EntryPinnedError, Reservation, Tier, TierFullError
+from kvtier.tiers.base import (
+    EntryExistsError,
+    EntryPinnedError,
+    Reservation,
+    Tier,
+    TierFullError,
+    TierUnavailableError,
+)
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -141,7 +148,8 @@ class Uploader:
         for i, result in zip(todo, results, strict=True):
             if isinstance(result, EntryExistsError):  # being written by another instance right now
                 log.info("remote tier did not take chunk %s: %s", batch[i].key.hex(), result)
-            outcomes[i] = self._put(batch[i]) if isinstance(result, TierFullError) else result is True
+            full = isinstance(result, TierFullError) and not isinstance(result, TierUnavailableError)
+            outcomes[i] = self._put(batch[i]) if full else result is True
         return outcomes
 
     def _put(self, item: _Upload) -> bool:
@@ -155,6 +163,8 @@ class Uploader:
                 return tier.put(item.key, item.data, self.segment_bytes)
             except ValueError as exc:  # being written by another instance right now
                 log.info("remote tier did not take chunk %s: %s", item.key.hex(), exc)
+                return False
+            except TierUnavailableError:  # evicting would not help (nor work)
                 return False
             except TierFullError:
                 oldest = tier.keys()[:EVICT_BATCH]
@@ -191,8 +201,15 @@ class TierMover:
         tier = self.tiers[level]
         return tier.free >= count * tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes)
 
+    def fits(self, level: int, count: int) -> bool:
+        tier = self.tiers[level]
+        return count * tier.footprint(self.layout.chunk_bytes, self.layout.layer_bytes) <= tier.capacity
+
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self.tiers[level].is_pinned(key)
+
+    def pin_many(self, level: int, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self.tiers[level].pin_many(keys)
 
     def pin(self, level: int, key: ChunkKey) -> bool:
         return self.tiers[level].pin(key)
@@ -251,15 +268,14 @@ class TierMover:
         late: list[Future] = []
         try:
             oks = source.get_many_into([keys[i] for i, _ in held], [res.buffer for _, res in held], late.append)
-        except ValueError:  # an entry of another size: one by one, each sized by its source
-            for _, res in held:
-                target.commit(res, ok=False)
-            return [self.copy(key, src, dst) if not failed else Copied.FAILED
+        except BaseException as exc:  # ValueError: an entry of another size
+            self._release_all(late, target, [res for _, res in held])
+            if not isinstance(exc, ValueError):
+                raise
+            if late:  # the source is down: nothing to retry now
+                return results
+            return [self.copy(key, src, dst) if not failed else Copied.FAILED  # one by one, sized by the source
                     for key, failed in zip(keys, self._unreserved(len(keys), held), strict=True)]
-        except BaseException:
-            for _, res in held:
-                target.commit(res, ok=False)
-            raise
         unread = [res for (_, res), ok in zip(held, oks, strict=True) if not ok]
         if late:  # reads given up on may still write the unread reservations: abandoned after
             self._abandon_after(late, target, unread)
@@ -276,6 +292,14 @@ class TierMover:
     def _unreserved(n: int, held: list[tuple[int, Reservation]]) -> list[bool]:
         reserved = {i for i, _ in held}
         return [i not in reserved for i in range(n)]
+
+    def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:
+        """Release ``reservations`` now, or once the calls in ``late`` have ended."""
+        if late:
+            self._abandon_after(late, target, reservations)
+        else:
+            for res in reservations:
+                target.commit(res, ok=False)
 
     def _abandon_after(self, late: list[Future], target: Tier, unread: list[Reservation]) -> None:
         """Release ``unread`` once every call in ``late`` has ended."""

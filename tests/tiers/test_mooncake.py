@@ -233,6 +233,32 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
     tier.close()
 
 
+def test_an_outage_does_not_make_the_uploader_drop_chunks_it_listed(mooncake_private):
+    """A put refused because the master is down is not a full tier: the uploader evicts
+    nothing, and a remove that cannot reach the master leaves the chunk listed."""
+    from kvtier.mover import Uploader
+    from kvtier.tiers.base import TierUnavailableError
+
+    mooncake_private.start()
+    tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
+    assert tier.put_many([key(i) for i in range(3)], [data(i) for i in range(3)], SEGMENT) == [True] * 3
+    used = tier.used
+    mooncake_private.master.kill()
+    uploader = Uploader(tier, SEGMENT, max_queued=4)
+    try:
+        outcomes = []
+        assert uploader.submit(key(9), data(9), outcomes.append)
+        assert uploader.flush(timeout=10) and outcomes == [False]
+        assert uploader.stats.evicted == 0 and uploader.stats.failed == 1
+        assert not tier.delete(key(0))
+        assert tier.keys() == [key(i) for i in range(3)] and tier.used == used
+        with pytest.raises(TierUnavailableError):
+            tier.put(key(9), data(9), SEGMENT)
+    finally:
+        uploader.close()
+        tier.close()
+
+
 def test_a_stalled_master_times_out_then_recovers(mooncake_private):
     mooncake_private.start()
     prefix = unique_prefix()

@@ -121,6 +121,16 @@ def test_a_corrupted_chunk_in_a_batched_read_is_a_miss_and_the_rest_are_read(val
         assert tier.stats.corrupt == 1 and tier.stats.misses == 2 and not tier.contains(key(1))
 
 
+def test_a_batch_of_many_small_puts_is_one_round_trip_that_works(valkey_standalone):
+    """400 uploads pile up more buffers than one sendmsg takes (1024 at most on Linux)."""
+    with open_tier([valkey_standalone.address]) as tier:
+        keys, datas = [key(i) for i in range(400)], [data(i, 1024) for i in range(400)]
+        assert tier.put_many(keys, datas, 1024) == [True] * 400
+        outs = [torch.zeros(1024, dtype=torch.uint8) for _ in range(400)]
+        assert tier.get_many_into(keys, outs, lambda _: None) == [True] * 400
+        assert all(torch.equal(o, d) for o, d in zip(outs, datas)) and tier.health.up
+
+
 def test_server_down_at_start_then_up(valkey_private):
     tier = open_tier([valkey_private.address], timeout_s=0.5, reconnect_interval_s=0.2)
     assert tier.get(key(1)) is None and not tier.contains(key(1)) and tier.keys() == []

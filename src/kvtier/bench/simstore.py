@@ -57,6 +57,9 @@ class ChunkCounter:
     def has_room(self, level: int, count: int = 1) -> bool:
         return self.used[level] + count <= self.capacity[level]
 
+    def fits(self, level: int, count: int) -> bool:
+        return count <= self.capacity[level]
+
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self._pins[(level, key)] > 0
 
@@ -65,6 +68,9 @@ class ChunkCounter:
             return False
         self._pins[(level, key)] += 1
         return True
+
+    def pin_many(self, level: int, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [self.pin(level, key) for key in keys]
 
     def unpin(self, level: int, key: ChunkKey) -> None:
         self._pins[(level, key)] -= 1

@@ -53,10 +53,16 @@ class Mover(Protocol):
     def has_room(self, level: int, count: int = 1) -> bool:
         """Whether tier ``level`` can take ``count`` more chunks now."""
 
+    def fits(self, level: int, count: int) -> bool:
+        """Whether tier ``level`` could hold ``count`` chunks at all (when empty)."""
+
     def is_pinned(self, level: int, key: ChunkKey) -> bool: ...
 
     def pin(self, level: int, key: ChunkKey) -> bool:
         """Pin a held chunk against deletion; False if the tier does not hold it."""
+
+    def pin_many(self, level: int, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``pin`` each of ``keys`` (one round trip to the remote tier)."""
 
     def unpin(self, level: int, key: ChunkKey) -> None: ...
 
@@ -242,24 +248,24 @@ class Placement:
             level = 0
         return level
 
-    def promote_many(self, keys: Sequence[ChunkKey], level: int, fallback: bool = True) -> int:
+    def promote_many(self, keys: Sequence[ChunkKey], level: int, fallback: bool = True,
+                     pinned: bool = False) -> int:
         """Promote ``keys``, all held at ``level`` (their fastest copy), into DRAM in one batch;
-        how many from the first were promoted. When DRAM cannot make room for all at once:
-        one :meth:`promote` after the other (``fallback``), or none."""
-        mover = self.mover
-        pinned = [key for key in keys if mover.pin(level, key)]
+        how many from the first were promoted. When DRAM cannot take them all at once: one
+        :meth:`promote` after the other (``fallback``), or none. ``pinned``: the caller holds
+        pins on ``keys`` at ``level`` (else they are pinned here, in one call)."""
+        mover, n = self.mover, len(keys)
+        pins = [] if pinned else [key for key, ok in zip(keys, mover.pin_many(level, keys), strict=True) if ok]
         try:
-            if len(pinned) == len(keys) > 1 and self.make_room(0, len(keys)):
-                copied = mover.copy_many(keys, level, 0)
-            else:
-                copied = None
+            whole = n > 1 and (pinned or len(pins) == n) and mover.fits(0, n)
+            copied = mover.copy_many(keys, level, 0) if whole and self.make_room(0, n) else None
         finally:
-            for key in pinned:
+            for key in pins:
                 mover.unpin(level, key)
         if copied is None:
             if not fallback:
                 return 0
-            return next((n for n, key in enumerate(keys) if not self.promote(key, level)), len(keys))
+            return next((i for i, key in enumerate(keys) if not self.promote(key, level)), n)
         done, leading = 0, True
         for key, c in zip(keys, copied, strict=True):
             if c is Copied.SOURCE_LOST:
@@ -274,9 +280,30 @@ class Placement:
     def promote_prefix(self, keys: Sequence[ChunkKey], level: int | None = None, batch: int = 16) -> int:
         """Promote the held prefix of ``keys`` into DRAM, runs of consecutive chunks held in the
         same lower tier ``batch`` at a time (:meth:`promote_many`); stops at the first chunk held
-        nowhere or not promoted. How many of ``keys`` from the first are in DRAM now. With
-        ``level``, only runs whose fastest copy is in that tier, and only runs DRAM takes whole
-        (the others are left where they are); returns how many were promoted."""
+        nowhere or not promoted. How many of ``keys`` from the first are in DRAM now.
+
+        With ``level`` (a load about to read ``keys``): only runs whose fastest copy is in that
+        tier, and only runs DRAM takes whole (the others are left where they are); the whole
+        held prefix stays pinned where it is meanwhile, so that making room for one run never
+        evicts another chunk of it. Returns how many were promoted."""
+        if level is None:
+            return self._promote_runs(keys, None, batch)
+        index, mover = self.index, self.mover
+        by_level: dict[int, list[ChunkKey]] = {}
+        for key in keys:
+            found = index.fastest(key)
+            if found is None:
+                break
+            by_level.setdefault(found, []).append(key)
+        pins = [(lvl, key) for lvl, ks in by_level.items()
+                for key, ok in zip(ks, mover.pin_many(lvl, ks), strict=True) if ok]
+        try:
+            return self._promote_runs(keys[: sum(map(len, by_level.values()))], level, batch)
+        finally:
+            for lvl, key in pins:
+                mover.unpin(lvl, key)
+
+    def _promote_runs(self, keys: Sequence[ChunkKey], level: int | None, batch: int) -> int:
         index, n, promoted = self.index, 0, 0
         while n < len(keys):
             found = index.fastest(keys[n])
@@ -289,7 +316,7 @@ class Placement:
             while end < len(keys) and end - n < batch and index.fastest(keys[end]) == found:
                 end += 1
             run = keys[n:end]
-            done = self.promote_many(run, found, fallback=level is None)
+            done = self.promote_many(run, found, fallback=level is None, pinned=level is not None)
             promoted += done
             if level is None and done < len(run):
                 return n + done

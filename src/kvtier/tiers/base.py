@@ -44,6 +44,11 @@ class TierFullError(Exception):
     """The tier has no room for the entry now; evict something and try again."""
 
 
+class TierUnavailableError(TierFullError):
+    """A remote tier's server is down or unreachable: nothing can be written now, and evicting
+    would not help (a TierFullError, so that callers that only know "no room now" back off)."""
+
+
 class EntryPinnedError(Exception):
     """The entry is pinned by a reader and cannot be deleted now."""
 
@@ -265,6 +270,10 @@ class Tier(ABC):
                 return False
             self._pins[key] = self._pins.get(key, 0) + 1
             return True
+
+    def pin_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``pin`` each of ``keys``. A remote tier asks its server once (``contains_many``)."""
+        return [self.pin(key) for key in keys]
 
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:

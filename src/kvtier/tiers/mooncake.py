@@ -51,6 +51,7 @@ from kvtier.tiers.base import (
     PutOutcome,
     Reservation,
     TierFullError,
+    TierUnavailableError,
     as_byte_tensor,
     check_key,
 )
@@ -156,7 +157,7 @@ class MooncakeTier(RemoteTier):
             if staging is not None:
                 self._conn.staging.give(staging)
             self._settle(key, None)
-            raise TierFullError("mooncake: server unavailable") from None
+            raise TierUnavailableError("mooncake: server unavailable") from None
         if rc != 0:
             self._conn.staging.give(staging)
             raise self._refusal(key, rc, "put start")
@@ -261,11 +262,13 @@ class MooncakeTier(RemoteTier):
             codes = self._conn.call(
                 "put", lambda s: upload(s, staging, buf, spans, names, batch, sizes, relay), staging=buf,
                 codes=lambda _: (), during=checksum)  # an outage fails only the entries it hit
-        except Unavailable:
+        except BaseException as exc:  # Unavailable, or a bug: either way nothing is charged after
             for i in todo:
                 self._settle(checked[i][0], None)
-                results[i] = TierFullError("mooncake: server unavailable")
-            return results
+                results[i] = TierUnavailableError("mooncake: server unavailable")
+            if isinstance(exc, Unavailable):
+                return results
+            raise
         staging.give(buf)
         outage = next((rc for _, rc in codes if is_outage(rc)), None)
         if outage is not None:
@@ -482,19 +485,24 @@ class MooncakeTier(RemoteTier):
     # -- deletes ------------------------------------------------------------------------------
     def _delete_unpinned(self, key: ChunkKey) -> bool:
         """Removes the object for every process. ``force`` skips Mooncake's read lease: a reader
-        elsewhere then fails verification rather than getting wrong bytes."""
+        elsewhere then fails verification rather than getting wrong bytes. A remove that does
+        not reach the master leaves the chunk listed (its object is still in the pool)."""
         name = self._name(key)
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._used -= entry[1]
         try:
             rc = self._conn.call("delete", lambda s: s.remove(name, True))
         except Unavailable:
             return False
+        self._unlist(key)
         return rc == 0
+
+    def _unlist(self, key: ChunkKey) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._used -= entry[1]
 
     def _drop_damaged(self, key: ChunkKey) -> None:
         with self._lock:
+            self._unlist(key)
             self._delete_unpinned(key)
 
     def close(self) -> None:

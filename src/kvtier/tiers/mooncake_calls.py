@@ -54,6 +54,7 @@ class Relay:
             self.groups.append((lo, hi))
             lo, size = hi, 2 * size
         self.started = threading.Event()
+        self.given_up = threading.Event()  # the caller passed its deadline: send nothing more
         self.ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the caller gave up
         self.taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # None: the call is over
 
@@ -63,15 +64,20 @@ class Relay:
         try:
             # the call's first RPC (put session start) runs while group 0 is checksummed
             if not self.started.wait(max(0.0, deadline - time.monotonic())):
+                self.given_up.set()
                 return None
             for lo, hi in self.groups:
                 for j in range(lo, hi):
                     prepare(j)
+                if time.monotonic() >= deadline:
+                    self.given_up.set()
+                    return None
                 self.ready.put(lo)
                 try:
                     if self.taken.get(timeout=max(0.0, deadline - time.monotonic())) is None:
                         return None
                 except queue.Empty:
+                    self.given_up.set()
                     return None
             return None
         except BaseException as exc:  # noqa: BLE001 - raised again once the call has ended
@@ -96,7 +102,7 @@ def upload(store: MooncakeDistributedStore, staging: BufferPool, buf: torch.Tens
         relay.started.set()
         codes = start_sessions(store, names, sizes)
         for lo, hi in relay.groups:
-            if relay.ready.get() is None:
+            if relay.ready.get() is None or relay.given_up.is_set():
                 break
             group, ptrs, lens, offsets = [], [], [], []
             for j in range(lo, hi):
@@ -153,16 +159,16 @@ def download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[st
     (its arguments) until it ends."""
     result: list[tuple[int, int | None]] = []
     batch: list[int] = []
-    for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
-        size = store.get_size(name) if size is None else size
-        hlen = size - out.numel()
-        result.append((size, None))
-        if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
-            batch.append(j)
-    if not batch:
-        return result
     base = head.data_ptr()
     try:
+        for j, (name, size, out) in enumerate(zip(names, sizes, outs, strict=True)):
+            size = store.get_size(name) if size is None else size
+            hlen = size - out.numel()
+            result.append((size, None))
+            if size >= 0 and FIXED_BYTES + 16 <= hlen <= HEAD_PEEK and store.register_buffer(out.data_ptr(), out.numel()) == 0:
+                batch.append(j)
+        if not batch:
+            return result
         got = store.batch_get_into_multi_buffers(
             [names[j] for j in batch],
             [[base + j * HEAD_PEEK, outs[j].data_ptr()] for j in batch],

@@ -259,6 +259,15 @@ class BufferPool:
 class RemoteTier(Tier):
     """Request checks, read verification and damage handling shared by the remote tiers."""
 
+    def pin_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """One :meth:`contains_many` (one round trip), then the pins of those held."""
+        with self._lock:
+            held = self.contains_many(keys)
+            for key, h in zip(keys, held, strict=True):
+                if h:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+        return held
+
     def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """One :meth:`contains_many` (one round trip)."""
         return next((n for n, held in enumerate(self.contains_many(keys)) if not held), len(keys))

@@ -40,6 +40,7 @@ from kvtier.tiers.base import (
     PutOutcome,
     Reservation,
     TierFullError,
+    TierUnavailableError,
     as_byte_tensor,
     check_key,
 )
@@ -122,7 +123,7 @@ class ValkeyTier(RemoteTier):
         try:
             return self._conn.run(what, fn)
         except Unavailable:
-            raise TierFullError("valkey: server unavailable") from None
+            raise TierUnavailableError("valkey: server unavailable") from None
 
     def _admitted(self, key: ChunkKey, reply: list) -> None:
         """Act on the reply of a script that admits a write (see valkey_lua): clean up after the
@@ -202,7 +203,7 @@ class ValkeyTier(RemoteTier):
         try:
             replies = self._conn.run("put", upload)
         except Unavailable:
-            return [TierFullError("valkey: server unavailable") for _ in puts]
+            return [TierUnavailableError("valkey: server unavailable") for _ in puts]
         return [self._put_done(put, reply) for put, reply in zip(puts, replies, strict=True)]
 
     def _upload(self, put: _Put, ttl: int) -> Upload:

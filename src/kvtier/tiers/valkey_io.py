@@ -40,6 +40,10 @@ def bulks(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
+IOV_MAX = 512
+"""Buffers handed to one ``sendmsg`` at most (Linux refuses more than 1024)."""
+
+
 def _send(conn: valkey.connection.Connection, parts: list[bytes | memoryview]) -> None:
     """Write ``parts`` in one ``sendmsg`` where the socket allows (a small command written on
     its own right after a big upload waits on loopback: ~0.15 ms a put); TLS: one by one."""
@@ -52,7 +56,7 @@ def _send(conn: valkey.connection.Connection, parts: list[bytes | memoryview]) -
             sock.sendall(v)
         return
     while views:
-        n = sock.sendmsg(views)
+        n = sock.sendmsg(views[:IOV_MAX])
         while n:
             if n >= len(views[0]):
                 n -= len(views.pop(0))
