@@ -243,7 +243,7 @@ class TierMover:
             target.commit(res, ok=False)
             raise
         if late:  # a read given up on may still write the reservation: it is abandoned after
-            late[0].add_done_callback(lambda _: self._abandon(target, res))
+            self._release_all(late, target, [res])
             return Copied.SOURCE_LOST
         stored = target.commit(res, ok=ok)
         if not ok:
@@ -274,35 +274,21 @@ class TierMover:
                 raise
             if late:  # the source is down: nothing to retry now
                 return results
-            return [self.copy(key, src, dst) if not failed else Copied.FAILED  # one by one, sized by the source
-                    for key, failed in zip(keys, self._unreserved(len(keys), held), strict=True)]
-        unread = [res for (_, res), ok in zip(held, oks, strict=True) if not ok]
-        if late:  # reads given up on may still write the unread reservations: abandoned after
-            self._abandon_after(late, target, unread)
+            reserved = {i for i, _ in held}  # one by one, each sized by its source
+            return [self.copy(key, src, dst) if i in reserved else Copied.FAILED for i, key in enumerate(keys)]
+        # reads given up on may still write the unread reservations: released once they end
+        self._release_all(late, target, [res for (_, res), ok in zip(held, oks, strict=True) if not ok])
         for (i, res), ok in zip(held, oks, strict=True):
-            if not ok:
-                if not late:
-                    target.commit(res, ok=False)
-                results[i] = Copied.SOURCE_LOST
-            else:
-                results[i] = Copied.OK if target.commit(res, ok=True) else Copied.FAILED
+            results[i] = (Copied.OK if target.commit(res, ok=True) else Copied.FAILED) if ok else Copied.SOURCE_LOST
         return results
 
-    @staticmethod
-    def _unreserved(n: int, held: list[tuple[int, Reservation]]) -> list[bool]:
-        reserved = {i for i, _ in held}
-        return [i not in reserved for i in range(n)]
-
     def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:
-        """Release ``reservations`` now, or once the calls in ``late`` have ended."""
-        if late:
-            self._abandon_after(late, target, reservations)
-        else:
+        """Release ``reservations`` now, or, when reads given up on (``late``) may still write
+        them, once every one of those calls has ended."""
+        if not late:
             for res in reservations:
                 target.commit(res, ok=False)
-
-    def _abandon_after(self, late: list[Future], target: Tier, unread: list[Reservation]) -> None:
-        """Release ``unread`` once every call in ``late`` has ended."""
+            return
         lock, left = threading.Lock(), [len(late)]
 
         def ended(_: Future) -> None:
@@ -310,7 +296,7 @@ class TierMover:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                for res in unread:
+                for res in reservations:
                     self._abandon(target, res)
 
         for future in late:

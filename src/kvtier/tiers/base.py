@@ -175,9 +175,7 @@ class Tier(ABC):
         EntryExistsError that ``put`` of that entry alone raises. Other bad arguments (sizes,
         lengths that differ) raise ValueError before anything is written. Default: one ``put``
         after the other."""
-        if len(keys) != len(datas):
-            raise ValueError(f"{self.name}: put_many got {len(keys)} keys and {len(datas)} entries")
-        srcs = [as_byte_tensor(d) for d in datas]
+        srcs = self._batch_data(keys, datas)
         if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes <= 0):
             raise ValueError(f"{self.name}: segment_bytes must be a positive int, got {segment_bytes!r}")
         for key, src in zip(keys, srcs, strict=True):
@@ -193,6 +191,16 @@ class Tier(ABC):
             except (TierFullError, EntryExistsError) as exc:
                 results.append(exc)
         return results
+
+    def _paired(self, keys: Sequence[ChunkKey], items: Sequence[object], what: str) -> None:
+        """A batch call's ``keys`` and its ``items`` (entries, outputs) must pair up."""
+        if len(keys) != len(items):
+            raise ValueError(f"{self.name}: a batch of {len(keys)} keys and {len(items)} {what}")
+
+    def _batch_data(self, keys: Sequence[ChunkKey], datas: Sequence[object]) -> list[torch.Tensor]:
+        """The entries of a ``put_many`` as flat byte tensors (see :func:`as_byte_tensor`)."""
+        self._paired(keys, datas, "entries")
+        return [as_byte_tensor(d) for d in datas]
 
     # -- reads --------------------------------------------------------------------------------
     @abstractmethod
@@ -220,8 +228,7 @@ class Tier(ABC):
         """:meth:`get_into` each key into its ``out``; whether each was read. ``late`` gets the
         Future of every call given up on (each ``out`` whose read returned False must then wait
         until all of them are done). Default: one ``get_into`` after the other."""
-        if len(keys) != len(outs):
-            raise ValueError(f"{self.name}: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        self._paired(keys, outs, "outputs")
         return [self.get_into(key, out, late) for key, out in zip(keys, outs, strict=True)]
 
     @abstractmethod

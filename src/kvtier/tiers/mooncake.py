@@ -52,7 +52,6 @@ from kvtier.tiers.base import (
     Reservation,
     TierFullError,
     TierUnavailableError,
-    as_byte_tensor,
     check_key,
 )
 from kvtier.tiers.mooncake_calls import (
@@ -200,24 +199,12 @@ class MooncakeTier(RemoteTier):
             return self._settle(res.key, None)
         return self._wrote(res.key, header.nbytes)
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        """Like :meth:`Tier.put`: :meth:`put_many` of one entry."""
-        src = as_byte_tensor(data)
-        if src.device.type != "cpu" or src.numel() == 0:
-            return super().put(key, src, segment_bytes)
-        outcome = self.put_many([key], [src], segment_bytes)[0]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
                  segment_bytes: int | None = None) -> list[PutOutcome]:
         """Like :meth:`Tier.put_many`, in one call into Mooncake: one put session start and one
-        end for all, the objects sent one after the other from where they lie while this thread
-        checksums the next one."""
-        if len(keys) != len(datas):
-            raise ValueError(f"mooncake: put_many got {len(keys)} keys and {len(datas)} entries")
-        srcs = [as_byte_tensor(d) for d in datas]
+        end for all, the objects sent from where they lie in growing groups while this thread
+        checksums the next group (:class:`~kvtier.tiers.mooncake_calls.Relay`)."""
+        srcs = self._batch_data(keys, datas)
         if any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
             return super().put_many(keys, srcs, segment_bytes)
         checked = [self._check_request(k, src.numel(), segment_bytes) for k, src in zip(keys, srcs, strict=True)]
@@ -350,8 +337,7 @@ class MooncakeTier(RemoteTier):
         timeout hands its future to ``late``. An entry whose ``out`` cannot take such a read
         (not a contiguous CPU uint8 tensor, sharing a page with registered memory) or whose
         object does not have the expected shape is read by :meth:`get` (staging and a copy)."""
-        if len(keys) != len(outs):
-            raise ValueError(f"mooncake: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        self._paired(keys, outs, "outputs")
         keys = [check_key(k) for k in keys]
         direct = [i for i, out in enumerate(outs)
                   if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
@@ -362,7 +348,7 @@ class MooncakeTier(RemoteTier):
             if k is not None:  # a read that cannot succeed need not be tried
                 self._check_range(k[0], 0, None, outs[i])
         results = [False] * len(keys)
-        fallback = [i for i in range(len(keys)) if i not in set(direct)]
+        fallback = sorted(set(range(len(keys))) - set(direct))
         if direct:
             names = [self._name(keys[i]) for i in direct]
             sizes = [None if k is None else k[1] for k in known]

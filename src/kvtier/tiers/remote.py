@@ -39,7 +39,7 @@ import torch
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.tiers.base import Tier, TierStats, check_key
+from kvtier.tiers.base import Tier, TierStats, as_byte_tensor, check_key
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,17 @@ class BufferPool:
 # -- the shared half of a remote tier ---------------------------------------------------------
 class RemoteTier(Tier):
     """Request checks, read verification and damage handling shared by the remote tiers."""
+
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+        """Like :meth:`Tier.put`: :meth:`put_many` of one entry (CPU data is sent from where it
+        lies, without a staging copy)."""
+        src = as_byte_tensor(data)
+        if src.device.type != "cpu" or src.numel() == 0:
+            return super().put(key, src, segment_bytes)
+        outcome = self.put_many([key], [src], segment_bytes)[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def pin_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """One :meth:`contains_many` (one round trip), then the pins of those held."""

@@ -156,15 +156,11 @@ class ValkeyTier(RemoteTier):
             self._staging.give(staging)
 
     def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        """Like :meth:`Tier.put`, sending CPU data from where it lies (no staging copy)."""
+        """Like :meth:`RemoteTier.put`; in a cluster, CPU data goes through ``reserve`` (without
+        its staging copy) and ``commit``."""
         src = as_byte_tensor(data)
-        if src.device.type != "cpu" or src.numel() == 0:
+        if not self.config.cluster or src.device.type != "cpu" or src.numel() == 0:
             return super().put(key, src, segment_bytes)
-        if not self.config.cluster:
-            outcome = self.put_many([key], [src], segment_bytes)[0]
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
         key, seg, token = self._take(key, src.numel(), segment_bytes)
         return self._write(key, src, seg, token)
 
@@ -176,9 +172,7 @@ class ValkeyTier(RemoteTier):
         into place and stores the header, or drops the payload. A refused chunk costs its
         upload (the tier is full: the caller evicts anyway; the uploader asks first which
         chunks are there already). The next chunk goes out while the server takes one."""
-        if len(keys) != len(datas):
-            raise ValueError(f"valkey: put_many got {len(keys)} keys and {len(datas)} entries")
-        srcs = [as_byte_tensor(d) for d in datas]
+        srcs = self._batch_data(keys, datas)
         if self.config.cluster or any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
             return super().put_many(keys, srcs, segment_bytes)
         puts = [_Put(*self._check_request(k, src.numel(), segment_bytes), memoryview(src.numpy()).cast("B"))
@@ -361,8 +355,7 @@ class ValkeyTier(RemoteTier):
         reads (one round trip), each verified as :meth:`get` verifies (a cluster pipeline has no
         MGET, which reads a chunk's header and payload at once: one ``get`` after the other
         there). ``late`` is never called: nothing writes an ``out`` after this returns."""
-        if len(keys) != len(outs):
-            raise ValueError(f"valkey: get_many_into got {len(keys)} keys and {len(outs)} outputs")
+        self._paired(keys, outs, "outputs")
         if self.config.cluster:
             return super().get_many_into(keys, outs, late)
         keys = [check_key(k) for k in keys]
