@@ -280,16 +280,22 @@ def test_a_model_whose_rope_cannot_be_shifted_recomputes_and_says_why(tmp_path, 
     ), model=model.model, tokenizer=model.tokenizer)
     try:
         assert "re-use after truncation is off for this model: rope_type 'dynamic'" in caplog.text
-        chat = fixed_chat(4)
-        engine.generate(chat[:-2])
-        engine.wait_for_saves()
-        got = engine.generate(chat)
-        assert got.dropped_turns > 0 and got.shifted_tokens == 0
-        assert "recomputing, its cached KV cannot be moved: rope_type 'dynamic'" in caplog.text
-        ids = truncate(chat, engine.prompt_ids, engine.context_window, 8).ids
-        assert_same_as_recompute(got, engine.generate(prompt_ids=ids, use_store=False))
+        assert_overflow_recomputed(engine, caplog, "recomputing, its cached KV cannot be moved: rope_type 'dynamic'")
     finally:
         engine.close()
+
+
+def assert_overflow_recomputed(engine: HFEngine, caplog, why: str) -> None:
+    """Two turns saved, then a four-turn chat that overflows the window: the turn is recomputed
+    (nothing shifted, ``why`` logged) and its output is a recompute's of the truncated prompt."""
+    chat = fixed_chat(4)
+    engine.generate(chat[:-2])
+    engine.wait_for_saves()
+    got = engine.generate(chat)
+    assert got.dropped_turns > 0 and got.shifted_tokens == 0
+    assert why in caplog.text
+    ids = truncate(chat, engine.prompt_ids, engine.context_window, 8).ids
+    assert_same_as_recompute(got, engine.generate(prompt_ids=ids, use_store=False))
 
 
 def window_for_chat(model: Tiny, turns: int) -> int:
@@ -307,15 +313,8 @@ def test_a_template_that_renders_by_position_is_caught_and_the_turn_recomputed(t
         context_window=len(chat_prompt_ids(tokenizer, fixed_chat(2))) + 8,
     ), model=tiny.model, tokenizer=tokenizer)
     try:
-        chat = fixed_chat(4)
-        assert "user2<" in tokenizer.decode(engine.prompt_ids(chat))  # numbered
-        engine.generate(chat[:-2])
-        engine.wait_for_saves()
-        got = engine.generate(chat)
-        assert got.dropped_turns > 0 and got.shifted_tokens == 0
-        assert "not the system prompt's followed by the kept turns'" in caplog.text
-        ids = truncate(chat, engine.prompt_ids, engine.context_window, 8).ids
-        assert_same_as_recompute(got, engine.generate(prompt_ids=ids, use_store=False))
+        assert "user2<" in tokenizer.decode(engine.prompt_ids(fixed_chat(4)))  # numbered
+        assert_overflow_recomputed(engine, caplog, "not the system prompt's followed by the kept turns'")
     finally:
         engine.close()
 
