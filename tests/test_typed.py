@@ -54,7 +54,7 @@ def test_a_damaged_or_missing_part_is_a_miss_never_a_partial_object(layout, tmp_
         objects.put(key, data, ObjectKind.BLOB, recompute_s=0.5)
         parts = part_keys(key, data.numel(), layout.chunk_bytes)
         assert len(parts) == 3
-        store._forget(parts[2], 0)  # as if the last part were lost
+        store.cache.forget(parts[2])  # as if the last part were lost
         assert objects.get(key) is None and objects.stats.misses == 1
         assert objects.put(key, data, ObjectKind.BLOB, recompute_s=0.5)  # rebuilt: whole again
         assert torch.equal(objects.get(key).data, data)

@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from kvtier.mover import Uploader
+from kvtier.uploader import Uploader
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
 from tests.remote_servers import unique_prefix
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -16,6 +17,9 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 from kvtier.transfer import LayerKV
+
+if TYPE_CHECKING:
+    from kvtier.cache import CacheConfig
 
 NOMINAL_READ_BPS = {"host": 10e9, "disk": 1.5e9, "remote": 1e9}
 """Read bandwidth per kind of tier that cost-aware policies assume; the order of magnitude
@@ -80,6 +84,16 @@ class StoreConfig:
     only when DRAM demotes it. Costs SSD write bandwidth on every save."""
     remote: RemoteConfig | None = None
 
+    def cache_config(self) -> CacheConfig:
+        """The configuration of the store's :class:`~kvtier.cache.ChunkCache`."""
+        from kvtier.cache import CacheConfig
+        from kvtier.core.placement import Shape
+
+        return CacheConfig(host=self.host, disk=self.disk, remote=self.remote, policy=self.policy,
+                           write_through=self.write_through,
+                           chunk=Shape(self.layout.chunk_bytes, self.layout.layer_bytes),
+                           chunk_tokens=self.layout.chunk_tokens)
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("StoreConfig.model must be a non-empty string")
@@ -130,6 +144,8 @@ class SaveResult:
     """Chunks already held (by this or any earlier sequence: stored once)."""
     dropped: int
     """Chunks that found no room (every resident chunk pinned)."""
+    busy: int = 0
+    """Chunks another writer was writing at the same moment (skipped: they will be there)."""
 
 
 @dataclass(slots=True)
@@ -137,14 +153,25 @@ class StoreStats:
     lookups: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0
+    """Tokens lookups found cached (offered; engines may already have had some of them)."""
     hits: Counter[str] = field(default_factory=Counter)
     """Per tier: looked-up chunks whose fastest copy was in that tier."""
     misses: Counter[str] = field(default_factory=Counter)
     """Per tier: looked-up full chunks that tier did not serve (found lower, or nowhere)."""
-    loaded_layer_tokens: Counter[str] = field(default_factory=Counter)
-    """Per tier: tokens loaded times layers loaded (a full load of T tokens adds T x layers)."""
+    loaded_tokens: Counter[str] = field(default_factory=Counter)
+    """Per tier: tokens engines took from kvtier (an in-process load's tokens; what a daemon
+    client reports it copied into its engine), by the tier each chunk was found in."""
+    loaded_chunks: Counter[str] = field(default_factory=Counter)
+    """Per tier: chunks handed out (read, or pinned for a client to read), by where found."""
+    had_tokens: int = 0
+    """Tokens engines already held themselves (their own prefix cache) when they asked."""
     saved_chunks: int = 0
     dedup_chunks: int = 0
+    busy_chunks: int = 0
+    """Chunks not written because another writer was writing them at that moment."""
     dropped_chunks: int = 0
     load_failures: int = 0
     """Chunks the index promised that no tier could read (damaged or lost)."""
+    engine_load_failures: int = 0
+    """Chunks engines reported they could not load (a lease lost mid-copy, a copy that
+    raised): recomputed by the engine."""

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.cache import Slot
 from kvtier.core.keys import ChunkKey
 from kvtier.core.objects import HEADER_BYTES, ObjectHeader, ObjectKind, part_key, part_keys
+from kvtier.core.placement import Shape
 from kvtier.store import KVStore
-from kvtier.tiers.base import TierFullError, as_byte_tensor
+from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor
 
 log = logging.getLogger(__name__)
 
@@ -74,39 +76,43 @@ class TypedObjects:
         blob = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), payload])
         keys = part_keys(key, payload.numel(), self.part_bytes)
         store, step = self.store, self.part_bytes
-        if len(keys) * step > store.host.capacity:
+        if len(keys) * store.host.stride_for(step) > store.host.capacity:
             raise ValueError(
                 f"an object of {payload.numel()} bytes ({len(keys)} parts of {step}) does not fit "
                 f"in the DRAM tier of {store.host.capacity} bytes"
             )
+        cache = store.cache
         pinned: list[ChunkKey] = []
         written: list[ChunkKey] = []
         complete = False
-        with store._lock:
-            try:  # parts written stay pinned until all are: making room must not take them
-                for i, pk in enumerate(keys):
-                    part = blob[i * step : (i + 1) * step]
-                    try:
-                        res = store.reserve_chunk(pk, position=i, nbytes=int(part.numel()))
-                    except TierFullError:
-                        break
-                    if res is not None:
-                        res.buffer.copy_(part)
-                        if store.commit_chunk(res):
-                            written.append(pk)
-                    if store.host.pin(pk):
-                        pinned.append(pk)
-                else:
-                    complete = True
-            finally:
-                for pk in pinned:
-                    store.host.unpin(pk)
-            if not complete:
-                self._drop_parts(written)  # a partial object is worth nothing
-                with self._lock:
-                    self.stats.refused[kind.name] += 1
-                return False
-            store.placement.touch(keys, recompute_s / len(keys))
+        try:  # parts written stay pinned until all are: making room must not take them
+            for i, pk in enumerate(keys):
+                part = blob[i * step : (i + 1) * step]
+                n = int(part.numel())
+                try:
+                    res = cache.reserve(pk, Shape(n, min(n, store.layout.layer_bytes)), position=i,
+                                        slot_bytes=step, remaining=len(keys) - i)
+                except TierFullError:
+                    break
+                if res is Slot.BUSY:  # another writer is storing this very object now
+                    break
+                if isinstance(res, Reservation):
+                    res.buffer.copy_(part)
+                    if cache.commit(res, position=i):
+                        written.append(pk)
+                if cache.pin_dram(pk):
+                    pinned.append(pk)
+            else:
+                complete = True
+        finally:
+            for pk in pinned:
+                cache.unpin_dram(pk)
+        if not complete:
+            self._drop_parts(written)  # a partial object is worth nothing
+            with self._lock:
+                self.stats.refused[kind.name] += 1
+            return False
+        cache.touch(keys, recompute_s / len(keys))
         with self._lock:
             self.stats.puts[kind.name] += 1
         return True
@@ -114,30 +120,29 @@ class TypedObjects:
     def get(self, key: ChunkKey, promote: bool = True) -> ObjectHit | None:
         """The whole object, or None. Parts read from below DRAM are promoted into DRAM."""
         store = self.store
-        with store._lock:
-            first = store.read_entry(key, promote)
-            header = ObjectHeader.decode(first[0].numpy()) if first is not None else None
-            if first is None or header is None:
-                if first is not None:
-                    log.warning("object %s: part 0 has no valid header; dropped", key.hex())
-                    self._drop_parts([key])
+        first = store.read_entry(key, promote)
+        header = ObjectHeader.decode(first[0].numpy()) if first is not None else None
+        if first is None or header is None:
+            if first is not None:
+                log.warning("object %s: part 0 has no valid header; dropped", key.hex())
+                self._drop_parts([key])
+            return self._missed()
+        keys = part_keys(key, header.nbytes, self.part_bytes)
+        parts, tiers = [first[0]], [first[1]]
+        for pk in keys[1:]:
+            got = store.read_entry(pk, promote)
+            if got is None:
                 return self._missed()
-            keys = part_keys(key, header.nbytes, self.part_bytes)
-            parts, tiers = [first[0]], [first[1]]
-            for pk in keys[1:]:
-                got = store.read_entry(pk, promote)
-                if got is None:
-                    return self._missed()
-                parts.append(got[0])
-                tiers.append(got[1])
-            blob = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if blob.numel() != HEADER_BYTES + header.nbytes:
-                log.warning("object %s: parts hold %d bytes, the header says %d; dropped",
-                            key.hex(), blob.numel() - HEADER_BYTES, header.nbytes)
-                self._drop_parts(keys)
-                return self._missed()
-            store.placement.touch(keys, header.recompute_s / len(keys))
-        names = [t.name for t in store.tiers]
+            parts.append(got[0])
+            tiers.append(got[1])
+        blob = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if blob.numel() != HEADER_BYTES + header.nbytes:
+            log.warning("object %s: parts hold %d bytes, the header says %d; dropped",
+                        key.hex(), blob.numel() - HEADER_BYTES, header.nbytes)
+            self._drop_parts(keys)
+            return self._missed()
+        store.cache.touch(keys, header.recompute_s / len(keys))
+        names = store.tier_names
         slowest = max(tiers, key=names.index)
         with self._lock:
             self.stats.hits[header.kind.name] += 1
@@ -146,8 +151,7 @@ class TypedObjects:
 
     def contains(self, key: ChunkKey) -> bool:
         """Whether part 0 is held somewhere (the object may still turn out incomplete)."""
-        with self.store._lock:
-            return key in self.store.index
+        return self.store.cache.contains(key)
 
     def _missed(self) -> None:
         with self._lock:
@@ -155,10 +159,8 @@ class TypedObjects:
 
     def _drop_parts(self, keys: list[ChunkKey]) -> None:
         """Forget the parts of an object that cannot be completed, in every tier."""
-        store = self.store
         for pk in keys:
-            for level in store.index.levels(pk):
-                store._forget(pk, level)
+            self.store.cache.forget(pk)
 
 
 __all__ = ["ObjectHit", "ObjectKind", "TypedObjects", "part_key"]

@@ -45,7 +45,7 @@ def test_a_run_held_in_one_tier_is_promoted_in_one_batch_when_dram_takes_it_whol
     place.save([k(3), k(4), k(5)])  # 0, 1, 2 go down to SSD
     batches: list[int] = []
     real = place.mover.copy_many
-    place.mover.copy_many = lambda keys, src, dst: batches.append(len(keys)) or real(keys, src, dst)
+    place.mover.copy_many = lambda moves: batches.append(len(moves)) or real(moves)
     assert place.prefetch([k(0), k(1), k(2), k(9)]) == 3
     assert batches == [3] and place.placement.stats.promotions == 3
     assert all(place.placement.index.fastest(k(i)) == 0 for i in range(3))

@@ -135,14 +135,14 @@ def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared
 def _promotion_with_the_holder_stalled(servers):
     """A Mooncake tier (0.5 s timeout) holding chunks 1 and 2 below a DRAM tier, a mover between
     them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
-    from kvtier.core.layout import KVLayout
-    from kvtier.mover import TierMover
+    from kvtier.core.placement import Shape
+    from kvtier.moves import TierMover
     from kvtier.tiers.host import HostTier, HostTierConfig
 
     servers.start()
     tier = open_tier(servers.master_address, timeout_s=0.5, reconnect_interval_s=0.2)
     host = HostTier(HostTierConfig(4 * ENTRY), ENTRY)
-    mover = TierMover([host, tier], host, KVLayout(num_layers=4, num_kv_heads=1, head_dim=16, chunk_tokens=64))
+    mover = TierMover([host, tier], host, Shape(ENTRY, SEGMENT))
     assert tier.put_many([key(1), key(2)], [data(1), data(2)], SEGMENT) == [True, True]
     servers.holder.pause()
     return tier, host, mover
@@ -151,36 +151,36 @@ def _promotion_with_the_holder_stalled(servers):
 def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private):
     """The holder of the bytes stalls mid-read: the read is a miss within the timeout, and the
     DRAM slot it was reading into stays reserved until the abandoned call has ended."""
-    from kvtier.core.placement import Copied
+    from kvtier.core.placement import Copied, Move
 
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
         t0 = time.monotonic()
-        assert mover.copy(key(1), 1, 0) is Copied.SOURCE_LOST
+        assert mover.copy(Move(key(1), 1, 0)) is Copied.SOURCE_LOST
         assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
         assert host.used == ENTRY and not host.contains(key(1))  # the slot is held, not reused
     finally:
         mooncake_private.holder.resume()
     wait_until(lambda: host.used == 0, timeout_s=30)  # released once the call ended
-    assert wait_until(lambda: mover.copy(key(1), 1, 0) is Copied.OK, timeout_s=30)
+    assert wait_until(lambda: mover.copy(Move(key(1), 1, 0)) is Copied.OK, timeout_s=30)
     assert torch.equal(host.get(key(1)), data(1))
     host.close()
     tier.close()
 
 
 def test_a_batched_read_given_up_on_keeps_all_its_buffers_until_it_ends(mooncake_private):
-    from kvtier.core.placement import Copied
+    from kvtier.core.placement import Copied, Move
 
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
         t0 = time.monotonic()
-        assert mover.copy_many([key(1), key(2)], 1, 0) == [Copied.SOURCE_LOST] * 2
+        assert mover.copy_many([Move(key(1), 1, 0), Move(key(2), 1, 0)]) == [Copied.SOURCE_LOST] * 2
         assert time.monotonic() - t0 < 1.5 and tier.stats.errors >= 1
         assert host.used == 2 * ENTRY and len(host) == 0  # both slots held, not reused
     finally:
         mooncake_private.holder.resume()
     wait_until(lambda: host.used == 0, timeout_s=30)  # released once the call ended
-    assert wait_until(lambda: mover.copy_many([key(1), key(2)], 1, 0) == [Copied.OK] * 2, timeout_s=30)
+    assert wait_until(lambda: mover.copy_many([Move(key(1), 1, 0), Move(key(2), 1, 0)]) == [Copied.OK] * 2, timeout_s=30)
     assert torch.equal(host.get(key(1)), data(1)) and torch.equal(host.get(key(2)), data(2))
     host.close()
     tier.close()
@@ -191,9 +191,11 @@ def test_closing_waits_for_a_read_given_up_on(mooncake_private):
     the client (and, in a store, the DRAM arena it writes into) goes away."""
     import threading
 
+    from kvtier.core.placement import Move
+
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
-        mover.copy(key(1), 1, 0)
+        mover.copy(Move(key(1), 1, 0))
         assert host.used == ENTRY
         threading.Timer(1.0, mooncake_private.holder.resume).start()
         t0 = time.monotonic()
@@ -236,7 +238,7 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
 def test_an_outage_does_not_make_the_uploader_drop_chunks_it_listed(mooncake_private):
     """A put refused because the master is down is not a full tier: the uploader evicts
     nothing, and a remove that cannot reach the master leaves the chunk listed."""
-    from kvtier.mover import Uploader
+    from kvtier.uploader import Uploader
     from kvtier.tiers.base import TierUnavailableError
 
     mooncake_private.start()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.index import PrefixHit
 from kvtier.core.keys import ChunkKey
-from kvtier.core.placement import Copied, Placement
+from kvtier.core.placement import Copied, Move, Placement, Shape
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import POLICIES, make_policy
 
@@ -54,11 +54,20 @@ class ChunkCounter:
         self.reads = [0] * len(self.capacity)
         self._held = [set() for _ in self.capacity]
 
-    def has_room(self, level: int, count: int = 1) -> bool:
+    def has_room(self, level: int, count: int = 1, entry: Shape | None = None) -> bool:
         return self.used[level] + count <= self.capacity[level]
 
-    def fits(self, level: int, count: int) -> bool:
+    def fits(self, level: int, count: int, entry: Shape | None = None) -> bool:
         return count <= self.capacity[level]
+
+    def entry_of(self, level: int, key: ChunkKey) -> Shape | None:
+        return None  # every chunk is one block
+
+    def evictable(self, level: int, key: ChunkKey, entry: Shape | None = None) -> bool:
+        return not self.is_pinned(level, key)
+
+    def evict_group(self, level: int, key: ChunkKey, entry: Shape | None = None) -> list[ChunkKey]:
+        return [key]
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self._pins[(level, key)] > 0
@@ -81,13 +90,13 @@ class ChunkCounter:
         self._held[level].add(key)
         self.used[level] += 1
 
-    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
-        self.reads[src] += 1
-        self.write(key, dst)
+    def copy(self, move: Move) -> Copied:
+        self.reads[move.src] += 1
+        self.write(move.key, move.dst)
         return Copied.OK
 
-    def copy_many(self, keys: Sequence[ChunkKey], src: int, dst: int) -> list[Copied]:
-        return [self.copy(key, src, dst) for key in keys]
+    def copy_many(self, moves: Sequence[Move]) -> list[Copied]:
+        return [self.copy(move) for move in moves]
 
     def drop(self, key: ChunkKey, level: int) -> None:
         self._held[level].discard(key)
@@ -152,7 +161,7 @@ class SimStore:
             if not place.room_for_new(key, i, remaining=len(keys) - i):
                 break
             self.mover.write(key, 0)
-            place.added(key, 0)
+            place.added(key, 0, position=i)
             stored += 1
         place.touch(keys, cost_s)
         return stored

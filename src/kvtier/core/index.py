@@ -25,13 +25,17 @@ class PrefixHit:
 
 
 class ChunkIndex:
-    """key -> bitmask of tier levels holding the chunk. Not thread-safe: the store locks."""
+    """key -> bitmask of tier levels holding the chunk, and the chunk's position in its
+    sequence where known. Not thread-safe: the store locks."""
 
     def __init__(self) -> None:
         self._where: dict[ChunkKey, int] = {}
+        self._position: dict[ChunkKey, int] = {}
 
-    def add(self, key: ChunkKey, level: int) -> None:
+    def add(self, key: ChunkKey, level: int, position: int | None = None) -> None:
         self._where[key] = self._where.get(key, 0) | (1 << level)
+        if position is not None:
+            self._position[key] = position
 
     def discard(self, key: ChunkKey, level: int) -> None:
         mask = self._where.get(key, 0) & ~(1 << level)
@@ -39,6 +43,11 @@ class ChunkIndex:
             self._where[key] = mask
         else:
             self._where.pop(key, None)
+            self._position.pop(key, None)
+
+    def position(self, key: ChunkKey) -> int | None:
+        """The chunk's index in its sequence, if known (recorded when it was added)."""
+        return self._position.get(key)
 
     def levels(self, key: ChunkKey) -> list[int]:
         mask = self._where.get(key, 0)

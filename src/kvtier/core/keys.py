@@ -10,6 +10,12 @@ The namespace holds what makes KV bytes differ for the same tokens: the model fi
 KV layout fingerprint and an optional tenant salt. Token ids are hashed as little-endian int64,
 so keys are identical across processes and machines (never Python's ``hash()``, which is salted
 per process).
+
+A store keys a chunk by :func:`bind_keys` of its chain key and the namespace the store checked
+the request under: the store daemon cannot check that a client hashed its tokens under the
+namespace it claims, so it binds every key the client sends to the namespace the client is
+allowed; a client can then only ever reach the chunks of its own namespaces. The in-process
+store binds the same way, so both name a chunk alike (in a shared remote tier too).
 """
 
 from __future__ import annotations
@@ -163,3 +169,11 @@ def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int,
         parent = ChunkKey(digest(b"".join(parts)))
         keys.append(parent)
     return TokenChunks(keys=keys, chunk_tokens=chunk_tokens, num_tokens=int(arr.size))
+
+
+def bind_keys(namespace: Namespace, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+    """The store keys of chain keys ``keys`` under ``namespace``: 128-bit XXH3 of (a tag, the
+    namespace digest, the chain key)."""
+    head = b"kvtier-bind-v1" + namespace.digest
+    digest = xxhash.xxh3_128_digest
+    return [ChunkKey(digest(head + key)) for key in keys]

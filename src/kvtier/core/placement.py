@@ -1,17 +1,21 @@
 """Where chunks live: the placement rules the live store and trace replay share.
 
 Bookkeeping apart from byte movement (vLLM's offload manager and its transfer handlers):
-:class:`Placement` owns the chunk index and one policy per tier, and decides what is admitted,
-evicted, demoted, promoted and dropped; a :class:`Mover` moves the bytes. The live store's mover
-copies between real tiers (:mod:`kvtier.store`); ``kvtier replay``'s mover only counts chunks
-against capacities. The same object, the same policies, the same rules:
+:class:`Placement` owns the chunk index and one policy per tier and decides what is admitted,
+evicted, demoted, promoted and dropped. Each decision is a plain :class:`Move` (a chunk, a
+source tier, a destination tier) handed to a :class:`Mover`, which carries it out and reports
+the outcome (:class:`Copied`); the placement records it. The live store's mover hands each move
+to the transfer handler registered for its pair of tiers and releases the store's lock while the
+bytes move (:mod:`kvtier.moves`); ``kvtier replay``'s mover only counts chunks against
+capacities. The same object, the same policies, the same rules:
 
 - ``lookup``: the longest held prefix; touches its keys (every tier's policy is touched, even for
   keys its tier does not hold);
 - a new chunk goes to DRAM once the DRAM policy ``admit`` s it (``room_for_new``);
-- making room in a tier evicts its policy's ``victim`` among the chunks not pinned; an evicted
-  chunk is demoted to the next tier (written there only if that tier does not hold it yet and its
-  policy admits it; room is made there first, recursively), from the last tier it is dropped;
+- making room in a tier evicts its policy's ``victim`` among the chunks the mover says may go
+  (not pinned, not already leaving); an evicted chunk is demoted to the next tier (written there
+  only if that tier does not hold it yet and its policy admits it; room is made there first,
+  recursively), from the last tier it is dropped;
 - ``source``: the tier to read a chunk from; a chunk found below DRAM is promoted into DRAM first
   (its lower copy stays, so demoting it again costs no write). The chunk is pinned in its tier
   while room is made, so the demotions that makes cannot evict it;
@@ -21,7 +25,10 @@ against capacities. The same object, the same policies, the same rules:
 - scheduler hooks ``begin`` and ``hint`` reach every policy (see
   :mod:`kvtier.core.policies.base`).
 
-Not thread-safe: the store calls it under its lock.
+Concurrency: not thread-safe; the store calls it under its lock. A live mover may release that
+lock while it moves bytes, so every decision is checked again when its move returns: a victim
+marked *leaving* is skipped by other evictions while its demotion runs, and it is dropped after
+it only if nobody pinned it meanwhile (then it stays, now with a copy below).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvtier.core.index import ChunkIndex, PrefixHit
 from kvtier.core.keys import ChunkKey
@@ -45,16 +52,47 @@ class Copied(enum.Enum):
     QUEUED = "queued"
     """Handed to a background writer (the remote tier); the mover reports the chunk with
     :meth:`Placement.added` once it is there."""
+    PRESENT = "present"
+    """The destination already holds the chunk (another thread's copy of it finished first)."""
+
+
+class Shape(NamedTuple):
+    """The size of an entry and of its independently checksummed parts (a layer of a chunk)."""
+
+    nbytes: int
+    segment_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy chunk ``key`` from tier ``src`` into tier ``dst`` (levels, 0 is DRAM)."""
+
+    key: ChunkKey
+    src: int
+    dst: int
 
 
 class Mover(Protocol):
-    """Moves chunks between tiers for a :class:`Placement`; levels count from 0 (DRAM)."""
+    """Carries out a :class:`Placement`'s moves; levels count from 0 (DRAM). ``entry``: the shape
+    of the entry room is wanted for (None: the store's chunk), for tiers whose room depends on
+    it; the placement passes it along without looking at it."""
 
-    def has_room(self, level: int, count: int = 1) -> bool:
-        """Whether tier ``level`` can take ``count`` more chunks now."""
+    def has_room(self, level: int, count: int = 1, entry: Shape | None = None) -> bool:
+        """Whether tier ``level`` can take ``count`` more entries now."""
 
-    def fits(self, level: int, count: int) -> bool:
-        """Whether tier ``level`` could hold ``count`` chunks at all (when empty)."""
+    def fits(self, level: int, count: int, entry: Shape | None = None) -> bool:
+        """Whether tier ``level`` could hold ``count`` entries at all (when empty)."""
+
+    def entry_of(self, level: int, key: ChunkKey) -> Shape | None:
+        """The shape of the chunk held at ``level`` (None: the store's chunk)."""
+
+    def evictable(self, level: int, key: ChunkKey, entry: Shape | None = None) -> bool:
+        """Whether ``key`` may be evicted from ``level`` now to make room (not pinned, not being
+        written or moved)."""
+
+    def evict_group(self, level: int, key: ChunkKey, entry: Shape | None = None) -> list[ChunkKey]:
+        """The chunks to evict for victim ``key``: ``[key]``, or every chunk of the memory region
+        holding it when only a whole region can make room for ``entry``."""
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool: ...
 
@@ -66,12 +104,12 @@ class Mover(Protocol):
 
     def unpin(self, level: int, key: ChunkKey) -> None: ...
 
-    def copy(self, key: ChunkKey, src: int, dst: int) -> Copied:
-        """Write the chunk held at ``src`` into ``dst`` (which has room)."""
+    def copy(self, move: Move) -> Copied:
+        """Carry out ``move`` (``dst`` has room)."""
 
-    def copy_many(self, keys: Sequence[ChunkKey], src: int, dst: int) -> list[Copied]:
-        """``copy`` each of ``keys`` (``dst`` has room for all), in one batch where the tiers
-        can (one round trip to the remote tier)."""
+    def copy_many(self, moves: Sequence[Move]) -> list[Copied]:
+        """``copy`` each of ``moves`` (same ``src`` and ``dst``, which has room for all), in one
+        batch where the tiers can (one round trip to the remote tier)."""
 
     def drop(self, key: ChunkKey, level: int) -> None:
         """Delete the (unpinned) chunk from tier ``level``."""
@@ -112,11 +150,16 @@ class Placement:
         self.index = ChunkIndex()
         self.stats = PlacementStats.for_levels(self.levels)
         self._prefetched: set[ChunkKey] = set()
+        self._leaving: list[set[ChunkKey]] = [set() for _ in self.policies]
 
     @property
     def lookahead(self) -> int:
         """Queued requests the DRAM policy wants announced with :meth:`hint` (0: none)."""
         return self.policies[0].lookahead
+
+    def leaving(self, key: ChunkKey, level: int) -> bool:
+        """Whether ``key`` is being evicted from ``level`` (its demotion is running)."""
+        return key in self._leaving[level]
 
     # -- scheduler hooks ----------------------------------------------------------------------
     def begin(self, seq: int, now: float) -> None:
@@ -128,15 +171,17 @@ class Placement:
             policy.hint(seq, keys)
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
         for policy in self.policies:
-            policy.touch(keys, cost_s)
+            policy.touch(keys, cost_s, start=start, use=use)
 
-    def added(self, key: ChunkKey, level: int) -> None:
-        """A chunk landed in tier ``level`` (a save committed, a tier reopened with it)."""
+    def added(self, key: ChunkKey, level: int, position: int | None = None) -> None:
+        """A chunk landed in tier ``level`` (a save committed, a copy finished, a tier reopened
+        with it: then ``position``, its index in its sequence, if known)."""
         if not self.index.holds(key, level):
-            self.index.add(key, level)
-            self.policies[level].insert(key)
+            self.index.add(key, level, position)
+            self.policies[level].insert(key, position if position is not None else self.index.position(key))
 
     def forget(self, key: ChunkKey, level: int) -> None:
         """Tier ``level`` lost the chunk (damage found on read): it leaves the index."""
@@ -147,45 +192,74 @@ class Placement:
         if level == 0:
             self._prefetched.discard(key)
 
-    def lookup(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> PrefixHit:
+    def lookup(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *,
+               use: int | None = None) -> PrefixHit:
         hit = self.index.longest_prefix(keys)
-        self.touch(hit.keys, cost_s)
+        self.touch(hit.keys, cost_s, use=use)
         return hit
 
     # -- placement ----------------------------------------------------------------------------
-    def room_for_new(self, key: ChunkKey, position: int | None, remaining: int = 1) -> bool:
-        """Admission and room in DRAM for new chunk ``position`` of a sequence; ``remaining``:
-        chunks of the sequence from this one on (all count as refused or dropped on False)."""
+    def admits(self, key: ChunkKey, position: int | None, remaining: int = 1) -> bool:
+        """Whether the DRAM policy admits new chunk ``position`` of a sequence; ``remaining``:
+        chunks of the sequence from this one on (all count as refused on False)."""
         if not self.policies[0].admit(key, position):
             self.stats.refused += remaining
             return False
-        if not self.make_room(0):
+        return True
+
+    def room_for_new(self, key: ChunkKey, position: int | None, remaining: int = 1,
+                     entry: Shape | None = None) -> bool:
+        """Admission and room in DRAM for new chunk ``position`` of a sequence; ``remaining``:
+        chunks of the sequence from this one on (all count as refused or dropped on False)."""
+        if not self.admits(key, position, remaining):
+            return False
+        if not self.make_room(0, entry=entry):
             self.stats.dropped += remaining
             return False
         return True
 
-    def make_room(self, level: int, count: int = 1) -> bool:
-        """Evict from tier ``level`` until it has room for ``count`` chunks; False if everything
-        left is pinned."""
-        while not self.mover.has_room(level, count):
-            if not self.evict(level):
+    def make_room(self, level: int, count: int = 1, entry: Shape | None = None) -> bool:
+        """Evict from tier ``level`` until it has room for ``count`` entries; False if everything
+        left is pinned (or being moved by someone else)."""
+        while not self.mover.has_room(level, count, entry):
+            if not self.evict(level, entry):
                 return False
         return True
 
-    def evict(self, level: int) -> bool:
-        """Evict one chunk from tier ``level``, demoting it. False if none can go."""
-        mover = self.mover
-        key = self.policies[level].victim(lambda k: not mover.is_pinned(level, k))
+    def evicting(self, level: int) -> int:
+        """Chunks being evicted from ``level`` now (their demotions are running)."""
+        return len(self._leaving[level])
+
+    def evict(self, level: int, entry: Shape | None = None) -> bool:
+        """Evict one victim from tier ``level`` (with its region, see
+        :meth:`Mover.evict_group`), demoting it. False if none can go."""
+        mover, leaving = self.mover, self._leaving[level]
+        key = self.policies[level].victim(
+            lambda k: k not in leaving and mover.evictable(level, k, entry))
         if key is None:
             return False
-        self.demote(key, level)
-        mover.drop(key, level)
+        group = mover.evict_group(level, key, entry)
+        leaving.update(group)
+        try:
+            for k in group:
+                self._evict_one(k, level)
+        finally:
+            leaving.difference_update(group)
+        return True
+
+    def _evict_one(self, key: ChunkKey, level: int) -> None:
+        if self.index.holds(key, level):
+            self.demote(key, level)
+        # The demotion may have let others run: drop the chunk only if it is still there and
+        # nobody pinned it meanwhile (then it stays, now also held below).
+        if not self.index.holds(key, level) or self.mover.is_pinned(level, key):
+            return
+        self.mover.drop(key, level)
         self.index.discard(key, level)
         self.policies[level].remove(key)
         self.stats.evictions[level] += 1
         if level == 0:
             self._prefetched.discard(key)
-        return True
 
     def demote(self, key: ChunkKey, level: int) -> bool:
         """Write the chunk held at ``level`` into the next tier, unless that tier holds it,
@@ -201,16 +275,19 @@ class Placement:
         if not self.mover.pin(level, key):
             return False
         try:
-            if not self.make_room(lower):
+            if not self.make_room(lower, entry=self.mover.entry_of(level, key)):
                 return False
-            copied = self.mover.copy(key, level, lower)
+            copied = self.mover.copy(Move(key, level, lower))
         finally:
             self.mover.unpin(level, key)
+        return self._demoted(key, level, lower, copied)
+
+    def _demoted(self, key: ChunkKey, level: int, lower: int, copied: Copied) -> bool:
         if copied is Copied.SOURCE_LOST:
             self.forget(key, level)
         if copied in (Copied.OK, Copied.QUEUED):
             self.stats.writes_down[lower] += 1
-        if copied is not Copied.OK:
+        if copied not in (Copied.OK, Copied.PRESENT):
             return False  # queued: the mover reports it with `added` once it is there
         self.added(key, lower)
         return True
@@ -221,13 +298,19 @@ class Placement:
         if not mover.pin(level, key):
             return False
         try:  # pinned: making room in DRAM demotes into lower tiers, which must not evict it
-            if not self.make_room(0):
+            if not self.make_room(0, entry=mover.entry_of(level, key)):
                 return False
-            copied = mover.copy(key, level, 0)
+            copied = mover.copy(Move(key, level, 0))
         finally:
             mover.unpin(level, key)
+        return self._promoted(key, level, copied)
+
+    def _promoted(self, key: ChunkKey, level: int, copied: Copied) -> bool:
         if copied is Copied.SOURCE_LOST:
             self.forget(key, level)
+        if copied is Copied.PRESENT:
+            self.added(key, 0)
+            return True
         if copied is not Copied.OK:
             return False
         self.added(key, 0)
@@ -257,8 +340,10 @@ class Placement:
         mover, n = self.mover, len(keys)
         pins = [] if pinned else [key for key, ok in zip(keys, mover.pin_many(level, keys), strict=True) if ok]
         try:
-            whole = n > 1 and (pinned or len(pins) == n) and mover.fits(0, n)
-            copied = mover.copy_many(keys, level, 0) if whole and self.make_room(0, n) else None
+            entry = mover.entry_of(level, keys[0])
+            whole = n > 1 and (pinned or len(pins) == n) and mover.fits(0, n, entry)
+            copied = (mover.copy_many([Move(key, level, 0) for key in keys])
+                      if whole and self.make_room(0, n, entry) else None)
         finally:
             for key in pins:
                 mover.unpin(level, key)
@@ -268,12 +353,8 @@ class Placement:
             return next((i for i, key in enumerate(keys) if not self.promote(key, level)), n)
         done, leading = 0, True
         for key, c in zip(keys, copied, strict=True):
-            if c is Copied.SOURCE_LOST:
-                self.forget(key, level)
-            if c is Copied.OK:
-                self.added(key, 0)
-                self.stats.promotions += 1
-            leading = leading and c is Copied.OK
+            ok = self._promoted(key, level, c)
+            leading = leading and ok
             done += leading
         return done
 
@@ -323,7 +404,7 @@ class Placement:
             n = end
         return promoted if level is not None else n
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> int:
+    def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None) -> int:
         """Promote the held prefix of ``keys`` into DRAM (:meth:`promote_prefix`); stops at the
         first chunk held nowhere or that finds no room. Touches ``keys``; returns how many
         chunks were promoted."""
@@ -338,5 +419,5 @@ class Placement:
         promoted = [key for key, lower in zip(keys[:held], below, strict=False) if lower]
         self._prefetched.update(promoted)
         self.stats.prefetched += len(promoted)
-        self.touch(keys)
+        self.touch(keys, start=start, use=use)
         return len(promoted)

@@ -42,7 +42,6 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from kvtier.core.keys import chunk_tokens_of
 from kvtier.core.layout import KVLayout
 from kvtier.engines import attention
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
@@ -432,8 +431,7 @@ class HFEngine:
         def work() -> None:
             try:
                 store.save(tokens, kv)
-                keys = chunk_tokens_of(tokens, store.namespace(), store.layout.chunk_tokens).keys
-                store.prefetch(keys)  # the conversation's older chunks back into DRAM
+                store.prefetch(store.keys_for(tokens))  # the conversation's older chunks back into DRAM
             except Exception:  # a failed save is a future miss, never an error for the user
                 log.exception("saving KV failed")
 

@@ -36,26 +36,14 @@ import numpy as np
 import torch
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import (  # noqa: F401 - re-exported: the tier contract's errors
+    EntryExistsError,
+    EntryPinnedError,
+    TierFullError,
+    TierUnavailableError,
+)
 
 PAGE = 4096
-
-
-class TierFullError(Exception):
-    """The tier has no room for the entry now; evict something and try again."""
-
-
-class TierUnavailableError(TierFullError):
-    """A remote tier's server is down or unreachable: nothing can be written now, and evicting
-    would not help (a TierFullError, so that callers that only know "no room now" back off)."""
-
-
-class EntryPinnedError(Exception):
-    """The entry is pinned by a reader and cannot be deleted now."""
-
-
-class EntryExistsError(ValueError):
-    """The key is already stored or being written (by this process or another)."""
-
 
 PutOutcome = bool | TierFullError | EntryExistsError
 """One entry's outcome in :meth:`Tier.put_many`."""
@@ -87,7 +75,10 @@ class Reservation:
     segment_bytes: int
     buffer: torch.Tensor
     slot: object = None
-    """Tier-private handle (a slot index, a staging buffer)."""
+    """Tier-private handle (a slot offset, a staging buffer)."""
+    position: int | None = None
+    """The chunk's index in its sequence, for tiers that record it (SSD: for the policies
+    after a restart)."""
 
 
 def round_up(n: int, align: int = PAGE) -> int:

@@ -3,11 +3,14 @@
 File format (all integers little-endian)::
 
     header  (header_len bytes, a multiple of 4096)
-        magic "KVTC", version u16, flags u16, header_len u32, key 16B,
+        magic "KVTC", version u16 (2), flags u16, header_len u32, key 16B,
         payload_len u64, segment_bytes u64, n_segments u32, write sequence number u64,
+        position u32 (the chunk's index in its sequence, 0xffffffff: unknown),
         n_segments x u64 XXH3-64 checksums (one per segment, i.e. per layer of a chunk),
         u64 XXH3-64 of all the header bytes before it, zero padding
     payload (payload_len bytes, zero-padded to a multiple of 4096)
+
+Version 1 files (no position) are still read.
 
 Guarantees:
 
@@ -15,11 +18,17 @@ Guarantees:
   ``fsync`` of file and directory when configured). A process killed mid-write leaves at most a
   temporary file, removed when the directory is next opened.
 - Every read verifies the checksum of every segment it touches; a missing, truncated or
-  corrupted file is a miss that is logged and counted, and the damaged file is removed.
+  corrupted file is a miss that is logged and counted, and the damaged file is removed. Only
+  damage removes a file: a read that fails for a reason of the machine (out of file descriptors,
+  EIO, a fault in the destination memory) is a counted miss that keeps the chunk.
 - Reopening a directory serves every chunk that was completely written.
 - I/O uses page-aligned buffers with ``os.preadv``/``os.pwritev``, and ``O_DIRECT`` where the
   filesystem supports it (falling back to buffered I/O where it does not, e.g. tmpfs).
 - One process owns a directory at a time (an advisory lock on ``LOCK``).
+- Files are ``0600`` and directories ``0700`` by default (``mode``, ``group``): chunk files hold
+  every tenant's KV.
+- Deleted files are unlinked by a background thread, so that a store evicting under its lock
+  does no file-system I/O there; a key being unlinked cannot be written again until it is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -52,9 +63,14 @@ from kvtier.tiers.base import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVTC"
-VERSION = 1
-_FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
+VERSION = 2
+_FIXED_V1 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
+_FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQI")
+_NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
+_GONE = (errno.ENOENT, errno.ENOTDIR)
+"""Errors of a read that mean the file is not there: the entry is dropped. Any other OSError is
+the machine's (EMFILE, EIO, EFAULT, ENOMEM...): a miss that keeps the chunk."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -66,12 +82,28 @@ class DiskTierConfig:
     """fsync each file and its directory before a write counts as done (survives power loss)."""
     o_direct: bool = True
     """Bypass the page cache where the filesystem allows it."""
+    mode: int = 0o600
+    """Permissions of chunk files; directories get the same plus search (0700 for 0600)."""
+    group: int | None = None
+    """Group id of the directory and its files (None: the owning process's)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ValueError(f"disk path must be a non-empty path, got {self.path!r}")
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
             raise ValueError(f"disk capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
+        for name in ("fsync", "o_direct"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"disk {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.mode, int) or not 0 <= self.mode <= 0o777 or self.mode & 0o600 != 0o600:
+            raise ValueError(f"disk mode must be a file mode that the owner can read and write "
+                             f"(like 0o600 or 0o640), got {self.mode!r}")
+        if self.group is not None and (not isinstance(self.group, int) or self.group < 0):
+            raise ValueError(f"disk group must be a group id, got {self.group!r}")
+
+    @property
+    def dir_mode(self) -> int:
+        return self.mode | ((self.mode & 0o444) >> 2)
 
 
 @dataclass(slots=True)
@@ -80,6 +112,7 @@ class _Entry:
     segment_bytes: int
     header_len: int
     checksums: tuple[int, ...]
+    position: int | None = None
 
     @property
     def file_bytes(self) -> int:
@@ -91,10 +124,12 @@ def header_len_for(n_segments: int) -> int:
 
 
 def _encode_header(
-    key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int], seq: int
+    key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int], seq: int,
+    position: int | None = None,
 ) -> bytes:
     hlen = header_len_for(len(checksums))
-    body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq)
+    pos = _NO_POSITION if position is None or not 0 <= position < _NO_POSITION else position
+    body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos)
     body += struct.pack(f"<{len(checksums)}Q", *checksums)
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     return body.ljust(hlen, b"\0")
@@ -103,23 +138,30 @@ def _encode_header(
 def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
     """Parse and check a header; returns key, entry and write sequence number, or raises
     ValueError naming what is wrong."""
-    if len(raw) < _FIXED.size:
+    if len(raw) < _FIXED_V1.size:
         raise ValueError("header truncated")
-    magic, version, _flags, hlen, key, nbytes, seg, nseg, seq = _FIXED.unpack_from(raw)
+    magic, version = struct.unpack_from("<4sH", raw)
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}")
-    if version != VERSION:
+    if version == 1:
+        fixed, position = _FIXED_V1, _NO_POSITION
+        _m, _v, _flags, hlen, key, nbytes, seg, nseg, seq = fixed.unpack_from(raw)
+    elif version == VERSION:
+        fixed = _FIXED
+        _m, _v, _flags, hlen, key, nbytes, seg, nseg, seq, position = fixed.unpack_from(raw)
+    else:
         raise ValueError(f"unsupported version {version}")
-    if hlen != header_len_for(nseg) or len(raw) < hlen:
+    if hlen != round_up(fixed.size + 8 * nseg + 8) or len(raw) < hlen:
         raise ValueError("header length mismatch")
     if seg <= 0 or nseg != -(-nbytes // seg):
         raise ValueError("segment table mismatch")
-    end = _FIXED.size + 8 * nseg
+    end = fixed.size + 8 * nseg
     (stored,) = struct.unpack_from("<Q", raw, end)
     if xxhash.xxh3_64_intdigest(raw[:end]) != stored:
         raise ValueError("header checksum mismatch")
-    checksums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size)
-    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums)), seq
+    checksums = struct.unpack_from(f"<{nseg}Q", raw, fixed.size)
+    pos = None if position == _NO_POSITION else position
+    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos), seq
 
 
 class _BufferPool:
@@ -183,17 +225,24 @@ class DiskTier(Tier):
         self.root = os.path.abspath(os.fspath(config.path))
         self._chunks = os.path.join(self.root, "chunks")
         self._tmp = os.path.join(self.root, "tmp")
+        dmode = config.dir_mode
         try:
+            os.makedirs(self.root, mode=dmode, exist_ok=True)
+            for d in (self.root, self._chunks, self._tmp):
+                os.makedirs(d, mode=dmode, exist_ok=True)
+                self._own(d, dmode)
             for i in range(256):  # fan-out directories, made once rather than per write
-                os.makedirs(os.path.join(self._chunks, f"{i:02x}"), exist_ok=True)
-            os.makedirs(self._tmp, exist_ok=True)
+                sub = os.path.join(self._chunks, f"{i:02x}")
+                os.makedirs(sub, mode=dmode, exist_ok=True)
+                self._own(sub, dmode)
             probe = os.path.join(self._tmp, f".probe.{os.getpid()}")
             with open(probe, "wb"):
                 pass
             os.unlink(probe)
         except OSError as exc:
             raise ValueError(f"disk tier directory {self.root!r} is not writable: {exc}") from exc
-        self._lock_fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                config.mode)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -203,9 +252,20 @@ class DiskTier(Tier):
         self._pool = _BufferPool()
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._reserved: dict[ChunkKey, int] = {}
+        self._deleting: set[ChunkKey] = set()
+        self._unlinks: queue.SimpleQueue[ChunkKey | None] = queue.SimpleQueue()
+        self._unlinked = threading.Condition(self._lock)
         self._used = 0
         self._seq = 0  # write sequence: orders chunks oldest-first across restarts
         self._recover()
+        self._unlinker = threading.Thread(target=self._unlink_loop, name="kvtier-disk-unlink", daemon=True)
+        self._unlinker.start()
+
+    def _own(self, path: str, mode: int) -> None:
+        """Give a directory the configured mode and group (an existing one too)."""
+        os.chmod(path, mode)
+        if self.config.group is not None:
+            os.chown(path, -1, self.config.group)
 
     # -- paths and opening --------------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:
@@ -213,15 +273,16 @@ class DiskTier(Tier):
         return os.path.join(self._chunks, name[:2], name + _SUFFIX)
 
     def _open(self, path: str, flags: int) -> int:
+        flags |= os.O_CLOEXEC | os.O_NOFOLLOW
         if self._direct:
             try:
-                return os.open(path, flags | _O_DIRECT, 0o644)
+                return os.open(path, flags | _O_DIRECT, self.config.mode)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 log.info("disk: O_DIRECT not supported under %s; using buffered I/O", self.root)
                 self._direct = False
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, self.config.mode)
 
     @property
     def direct_io(self) -> bool:
@@ -229,42 +290,28 @@ class DiskTier(Tier):
         return self._direct
 
     def _recover(self) -> None:
-        """Drop partial writes and index every complete chunk file, oldest first."""
-        for name in os.listdir(self._tmp):
+        """Drop partial writes and index every complete chunk file, oldest first. Anything in
+        the directory that is not a regular file (a FIFO, a device, a link) is skipped, never
+        opened: opening a FIFO would hang the start."""
+        for entry in os.scandir(self._tmp):
+            if not entry.is_file(follow_symlinks=False):
+                continue
             try:
-                os.unlink(os.path.join(self._tmp, name))
-                log.info("disk: removed partial write %s", name)
+                os.unlink(entry.path)
+                log.info("disk: removed partial write %s", entry.name)
             except OSError:
                 pass
         found: list[tuple[int, ChunkKey, _Entry]] = []
-        for sub in os.listdir(self._chunks):
-            subdir = os.path.join(self._chunks, sub)
-            if not os.path.isdir(subdir):
+        for sub in os.scandir(self._chunks):
+            if not sub.is_dir(follow_symlinks=False):
                 continue
-            for name in os.listdir(subdir):
-                path = os.path.join(subdir, name)
-                try:
-                    with open(path, "rb") as f:
-                        raw = f.read(PAGE)
-                        key, entry, seq = _decode_header(raw)
-                        if entry.header_len > PAGE:
-                            raw += f.read(entry.header_len - PAGE)
-                            key, entry, seq = _decode_header(raw)
-                        st = os.fstat(f.fileno())
-                    if name != key.hex() + _SUFFIX:
-                        raise ValueError("file name does not match its key")
-                    if st.st_size != entry.file_bytes:
-                        raise ValueError(f"size {st.st_size} != expected {entry.file_bytes}")
-                except (OSError, ValueError) as exc:
-                    log.warning("disk: dropping damaged chunk file %s: %s", path, exc)
-                    self.stats.corrupt += 1
-                    self.stats.errors += 1
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
+            for item in os.scandir(sub.path):
+                if not item.is_file(follow_symlinks=False):
+                    log.warning("disk: skipping %s: not a regular file", item.path)
                     continue
-                found.append((seq, key, entry))
+                got = self._recover_file(item.path, item.name)
+                if got is not None:
+                    found.append(got)
         for seq, key, entry in sorted(found, key=lambda t: t[0]):
             self._entries[key] = entry
             self._used += entry.file_bytes
@@ -274,6 +321,48 @@ class DiskTier(Tier):
                 "disk: %s holds %d bytes, over its capacity of %d; the store will evict",
                 self.root, self._used, self.capacity,
             )
+
+    def _recover_file(self, path: str, name: str) -> tuple[int, ChunkKey, _Entry] | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("disk: skipping %s: %s", path, exc)  # unreadable now is not damage
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                log.warning("disk: skipping %s: not a regular file", path)
+                return None
+            raw = os.pread(fd, PAGE, 0)
+            key, entry, seq = _decode_header(raw)
+            if entry.header_len > PAGE:
+                raw += os.pread(fd, entry.header_len - PAGE, PAGE)
+                key, entry, seq = _decode_header(raw)
+            if name != key.hex() + _SUFFIX:
+                raise ValueError("file name does not match its key")
+            if st.st_size != entry.file_bytes:
+                raise ValueError(f"size {st.st_size} != expected {entry.file_bytes}")
+        except ValueError as exc:
+            log.warning("disk: dropping damaged chunk file %s: %s", path, exc)
+            self.stats.corrupt += 1
+            self.stats.errors += 1
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        except OSError as exc:
+            log.warning("disk: skipping %s: %s", path, exc)
+            self.stats.errors += 1
+            return None
+        finally:
+            os.close(fd)
+        if st.st_mode & 0o777 != self.config.mode:
+            try:
+                os.chmod(path, self.config.mode)  # files of an older, laxer configuration
+            except OSError:
+                pass
+        return seq, key, entry
 
     # -- size ---------------------------------------------------------------------------------
     @property
@@ -287,6 +376,12 @@ class DiskTier(Tier):
 
     def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
         return header_len_for(-(-nbytes // (segment_bytes or nbytes))) + round_up(nbytes)
+
+    def position_of(self, key: ChunkKey) -> int | None:
+        """The position recorded with a chunk (its index in its sequence), if any."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.position if entry else None
 
     # -- writes -------------------------------------------------------------------------------
     def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[int, int]:
@@ -304,8 +399,8 @@ class DiskTier(Tier):
                 f"capacity of {self.capacity} bytes"
             )
         with self._lock:
-            if key in self._entries or key in self._reserved:
-                raise EntryExistsError(f"disk: chunk {key.hex()} is already stored or being written")
+            if key in self._entries or key in self._reserved or key in self._deleting:
+                raise EntryExistsError(f"disk: chunk {key.hex()} is already stored or being written (or deleted)")
             if self._used + charge > self.capacity:
                 raise TierFullError(f"disk: {self._used} of {self.capacity} bytes in use")
             self._reserved[key] = charge
@@ -321,12 +416,13 @@ class DiskTier(Tier):
                 self._used -= charge
         return entry is not None
 
-    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None, *,
+                position: int | None = None) -> Reservation:
         seg, charge = self._take(key, nbytes, segment_bytes)
         hlen = charge - round_up(nbytes)
         staging = self._pool.take(charge)
         payload = torch.frombuffer(staging, dtype=torch.uint8)[hlen : hlen + nbytes]
-        return Reservation(key, nbytes, seg, payload, staging)
+        return Reservation(key, nbytes, seg, payload, staging, position)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         key = reservation.key
@@ -344,6 +440,7 @@ class DiskTier(Tier):
                     entry = self._write_file(
                         key, view[hlen : hlen + reservation.nbytes], reservation.segment_bytes,
                         header=view[:hlen], tail=view[hlen + reservation.nbytes : charge],
+                        position=reservation.position,
                     )
                 finally:
                     view.release()
@@ -352,16 +449,24 @@ class DiskTier(Tier):
             self._pool.give(staging)
         return self._finish(key, charge, entry)
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
+            position: int | None = None) -> bool:
         """Like :meth:`Tier.put`; page-aligned CPU data (a host-tier slot, say) is written
-        straight from where it lies, without a copy through a staging buffer."""
+        straight from where it lies, without a copy through a staging buffer. ``position``: the
+        chunk's index in its sequence, recorded in the header for the policies after a restart."""
         src = as_byte_tensor(data)
         nbytes = src.numel()
         aligned = src.device.type == "cpu" and (
             not self._direct or (src.data_ptr() % PAGE == 0 and nbytes % PAGE == 0)
         )
         if not aligned or nbytes == 0:
-            return super().put(key, src, segment_bytes)
+            res = self.reserve(key, nbytes, segment_bytes, position=position)
+            try:
+                res.buffer.copy_(src)
+            except BaseException:
+                self.commit(res, ok=False)
+                raise
+            return self.commit(res, ok=True)
         seg, charge = self._take(key, nbytes, segment_bytes)
         hlen = charge - round_up(nbytes)
         entry = None
@@ -370,7 +475,8 @@ class DiskTier(Tier):
             payload = memoryview(src.numpy()).cast("B")
             hview = memoryview(header)
             try:
-                entry = self._write_file(key, payload, seg, header=hview[:hlen], tail=None)
+                entry = self._write_file(key, payload, seg, header=hview[:hlen], tail=None,
+                                         position=position)
             finally:
                 hview.release()
         finally:
@@ -385,6 +491,7 @@ class DiskTier(Tier):
         seg: int,
         header: memoryview,
         tail: memoryview | None,
+        position: int | None = None,
     ) -> _Entry | None:
         """Checksum ``payload`` and write header, payload and padding (``tail``, zeroed) to a
         temporary file, then rename it into place. None (logged, counted) on an I/O error.
@@ -394,7 +501,7 @@ class DiskTier(Tier):
         with self._lock:
             self._seq += 1
             seq = self._seq
-        raw = _encode_header(key, nbytes, seg, checksums, seq)
+        raw = _encode_header(key, nbytes, seg, checksums, seq, position)
         header[:] = raw
         bufs = [header, payload]
         if tail is not None and len(tail):
@@ -407,6 +514,9 @@ class DiskTier(Tier):
         try:
             fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
+                os.fchmod(fd, self.config.mode)  # whatever the umask
+                if self.config.group is not None:
+                    os.fchown(fd, -1, self.config.group)
                 _full_pwritev(fd, bufs, 0)
                 if self.config.fsync:
                     os.fsync(fd)
@@ -429,7 +539,8 @@ class DiskTier(Tier):
             return None
         self.stats.writes += 1
         self.stats.bytes_written += nbytes
-        return _Entry(nbytes, seg, len(header), tuple(checksums))
+        pos = None if position is None or not 0 <= position < _NO_POSITION else position
+        return _Entry(nbytes, seg, len(header), tuple(checksums), pos)
 
     # -- reads --------------------------------------------------------------------------------
     def get(
@@ -479,7 +590,9 @@ class DiskTier(Tier):
                 finally:
                     os.close(fd)
             except OSError as exc:
-                return self._damaged(key, f"unreadable: {exc}", corrupt=False)
+                if exc.errno in _GONE:
+                    return self._damaged(key, f"file missing: {exc}", corrupt=False)
+                return self._unreadable(key, exc)
             data = target if direct_ok else target[start - astart : end - astart]
             if got < (hi - lo if direct_ok else end - astart):
                 return self._damaged(key, f"truncated ({got} bytes read)")
@@ -501,6 +614,12 @@ class DiskTier(Tier):
             if staging is not None:
                 target.release()
                 self._pool.give(staging)
+
+    def _unreadable(self, key: ChunkKey, exc: OSError) -> None:
+        """A read failed for a reason of the machine, not of the file: a miss; the chunk stays."""
+        log.warning("disk: chunk %s is a miss: %s (the file is kept)", key.hex(), exc)
+        self.stats.misses += 1
+        self.stats.errors += 1
 
     def _damaged(self, key: ChunkKey, why: str, corrupt: bool = True) -> None:
         log.warning("disk: chunk %s is a miss: %s", key.hex(), why)
@@ -526,22 +645,47 @@ class DiskTier(Tier):
             entry = self._entries.get(key)
             return entry.nbytes if entry else None
 
+    def segment_bytes_of(self, key: ChunkKey) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.segment_bytes if entry else None
+
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._entries)
 
     def _delete_unpinned(self, key: ChunkKey) -> bool:
+        """Forget the entry now (its space is free at once); the file is unlinked by the
+        background thread, and the key cannot be written again until it is."""
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
         self._used -= entry.file_bytes
-        try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
+        self._deleting.add(key)
+        self._unlinks.put(key)
         return True
 
+    def _unlink_loop(self) -> None:
+        while (key := self._unlinks.get()) is not None:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("disk: could not delete chunk %s: %s", key.hex(), exc)
+            with self._unlinked:
+                self._deleting.discard(key)
+                self._unlinked.notify_all()
+
+    def flush_deletes(self, timeout: float | None = 10.0) -> bool:
+        """Wait until every deleted file is unlinked; False on timeout."""
+        with self._unlinked:
+            return self._unlinked.wait_for(lambda: not self._deleting, timeout)
+
     def close(self) -> None:
+        if self._unlinker.is_alive():
+            self._unlinks.put(None)
+            self._unlinker.join(timeout=30)
         with self._lock:
             if self._lock_fd >= 0:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

@@ -4,19 +4,30 @@ No allocation per chunk: the arena is mapped once and a chunk takes one slot. Sl
 page-aligned (so an SSD read with O_DIRECT can land straight in a slot). ``view`` returns a
 zero-copy torch tensor over a pinned entry's slot.
 
+Slot sizes. A store of one model (``slot_bytes`` given) carves the whole arena into slots of
+that size. A store daemon serving any model (``slot_bytes`` None) hands memory to each entry
+size an *extent* at a time: the arena is cut into extents of ``extent_bytes``, an extent holds
+slots of one size, and an extent whose slots are all free goes back to the pool for any size.
+To make room for a size that has no free slot, the store evicts a whole extent of another size
+(:meth:`HostTier.region_keys`).
+
 The arena is a memory mapping: anonymous by default, or a named POSIX shared-memory object
 (``/dev/shm/<shm_name>``) that other processes can map with :meth:`HostArena.attach`, so a store
-daemon can own it while clients read and write chunk bytes in place. On CUDA machines the arena
-is registered as pinned (page-locked) memory so host<->device copies run at full speed.
+daemon can own it while clients read and write chunk bytes in place. A shared arena is allocated
+in full when it is created (``posix_fallocate``), so a ``/dev/shm`` too small for it fails there,
+with a message saying so, rather than as a SIGBUS in a client's first write. On CUDA machines
+the arena is registered as pinned (page-locked) memory so host<->device copies run at full speed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +45,13 @@ from kvtier.tiers.base import (
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+MIN_EXTENT = 2 << 20
+MAX_EXTENT = 1 << 30
+
+
+def default_extent_bytes(capacity: int) -> int:
+    """A sixteenth of the arena, within [2 MiB, 1 GiB], in whole pages."""
+    return round_up(min(max(capacity // 16, MIN_EXTENT), MAX_EXTENT))
 
 
 @dataclass(frozen=True)
@@ -43,18 +61,32 @@ class HostTierConfig:
     """Put the arena in shared memory under this name (``/dev/shm/<name>``); None: private."""
     pin_memory: bool | None = None
     """Page-lock the arena for fast device copies; None: when CUDA is available."""
+    extent_bytes: int | None = None
+    """For an arena shared by entries of several sizes (a daemon serving any model): memory
+    moves between sizes in extents of this many bytes. Default: :func:`default_extent_bytes`.
+    Every entry's slot must fit in one extent."""
+    shm_mode: int = 0o600
+    """Permissions of a shared arena (clients of other users need group read/write)."""
+    shm_gid: int | None = None
+    """Group of a shared arena (None: the creating process's)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
             raise ValueError(f"host capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
         if self.shm_name is not None and (not self.shm_name or "/" in self.shm_name):
             raise ValueError(f"host shm_name must be a plain name without '/', got {self.shm_name!r}")
+        if self.extent_bytes is not None and (
+                not isinstance(self.extent_bytes, int) or self.extent_bytes < PAGE):
+            raise ValueError(f"host extent_bytes must be an int of at least {PAGE}, got {self.extent_bytes!r}")
+        if not isinstance(self.shm_mode, int) or not 0 <= self.shm_mode <= 0o777:
+            raise ValueError(f"host shm_mode must be a permission mode like 0o660, got {self.shm_mode!r}")
 
 
 class HostArena:
     """A page-aligned byte arena in an anonymous or shared memory mapping."""
 
-    def __init__(self, size: int, shm_name: str | None = None, *, create: bool = True) -> None:
+    def __init__(self, size: int, shm_name: str | None = None, *, create: bool = True,
+                 mode: int = 0o600, gid: int | None = None) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be positive, got {size}")
         self.size = size
@@ -63,26 +95,58 @@ class HostArena:
         if shm_name is None:
             self._mmap = mmap.mmap(-1, size)
         else:
+            if not shm_name or "/" in shm_name or shm_name in (".", ".."):
+                raise ValueError(f"shared-memory arena name {shm_name!r} is not a plain name")
             path = os.path.join(SHM_DIR, shm_name)
-            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
             try:
-                fd = os.open(path, flags, 0o600)
+                fd = os.open(path, flags, mode)
             except FileExistsError:
                 raise ValueError(f"shared-memory arena {path} already exists") from None
             try:
                 if create:
-                    os.ftruncate(fd, size)
-                elif os.fstat(fd).st_size < size:
-                    raise ValueError(f"shared-memory arena {path} is smaller than {size} bytes")
+                    self._allocate(fd, path, size, mode, gid)
+                else:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise ValueError(f"shared-memory arena {path} is not a regular file")
+                    if st.st_size < size:
+                        raise ValueError(f"shared-memory arena {path} is smaller than {size} bytes")
                 self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            except BaseException:
+                if create:
+                    os.unlink(path)
+                raise
             finally:
                 os.close(fd)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._registered = False
 
+    @staticmethod
+    def _allocate(fd: int, path: str, size: int, mode: int, gid: int | None) -> None:
+        """Size the new arena and commit its memory now: on a tmpfs too small for it, a mapping
+        that is only truncated to size faults (SIGBUS) at the first write past what fits."""
+        os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                free = _shm_free()
+                raise ValueError(
+                    f"cannot allocate the {size} byte DRAM arena in {SHM_DIR} ({exc.strerror}; "
+                    f"{free} bytes free there): enlarge {SHM_DIR} (docker run --shm-size) or lower "
+                    "the host capacity") from None
+            # no fallocate on this filesystem: at least check the space
+            os.ftruncate(fd, size)
+            if _shm_free() < size:
+                raise ValueError(f"{SHM_DIR} has {_shm_free()} bytes free, the DRAM arena needs "
+                                 f"{size}: enlarge it (docker run --shm-size) or lower the host capacity") from None
+
     @classmethod
     def attach(cls, shm_name: str, size: int) -> HostArena:
-        """Map an arena another process created."""
+        """Map an arena another process created (ValueError, OSError if it cannot be)."""
         return cls(size, shm_name, create=False)
 
     def pin(self) -> bool:
@@ -96,6 +160,8 @@ class HostArena:
         return self._registered
 
     def close(self) -> None:
+        """Unmap (every view of the arena becomes invalid: the caller must hold none) and, for
+        the arena's creator, unlink it from /dev/shm."""
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
@@ -113,77 +179,215 @@ class HostArena:
             self._owner = False
 
 
+def _shm_free() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass(slots=True)
+class _Slot:
+    offset: int
+    nbytes: int
+    stride: int
+    segment: int
+
+
+@dataclass(slots=True)
+class _SizeClass:
+    stride: int
+    free: dict[int, list[int]] = field(default_factory=dict)
+    """Per extent it holds: its free slot offsets."""
+    used: dict[int, int] = field(default_factory=dict)
+    """Per extent it holds: slots in use (reserved or committed)."""
+
+    def free_slots(self) -> int:
+        return sum(len(f) for f in self.free.values())
+
+
 class HostTier(Tier):
-    """Fixed-slot DRAM tier. Every entry is at most ``slot_bytes``."""
+    """DRAM tier of fixed slots (one size, or one size per extent; see the module docstring)."""
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig, slot_bytes: int) -> None:
+    def __init__(self, config: HostTierConfig, slot_bytes: int | None = None) -> None:
         super().__init__()
-        if slot_bytes <= 0:
-            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.config = config
         self.slot_bytes = slot_bytes
-        self.slot_stride = round_up(slot_bytes, PAGE)
-        self.num_slots = config.capacity_bytes // self.slot_stride
-        if self.num_slots == 0:
-            raise ValueError(
-                f"host capacity of {config.capacity_bytes} bytes is smaller than one chunk slot "
-                f"({self.slot_stride} bytes)"
-            )
-        self.arena = HostArena(self.num_slots * self.slot_stride, config.shm_name)
+        self._classes: dict[int, _SizeClass] = {}
+        self._free_extents: deque[int] = deque()
+        if slot_bytes is not None:  # one size over the whole arena
+            if slot_bytes <= 0:
+                raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+            self.slot_stride = round_up(slot_bytes, PAGE)
+            num_slots = config.capacity_bytes // self.slot_stride
+            if num_slots == 0:
+                raise ValueError(
+                    f"host capacity of {config.capacity_bytes} bytes is smaller than one chunk slot "
+                    f"({self.slot_stride} bytes)"
+                )
+            self.extent_bytes = num_slots * self.slot_stride
+            self.num_extents = 1
+            cls = _SizeClass(self.slot_stride)
+            cls.free[0] = list(range((num_slots - 1) * self.slot_stride, -1, -self.slot_stride))
+            cls.used[0] = 0
+            self._classes[self.slot_stride] = cls
+        else:
+            self.slot_stride = 0
+            self.extent_bytes = config.extent_bytes or default_extent_bytes(config.capacity_bytes)
+            self.extent_bytes = round_up(self.extent_bytes)
+            self.num_extents = config.capacity_bytes // self.extent_bytes
+            if self.num_extents == 0:
+                raise ValueError(f"host capacity of {config.capacity_bytes} bytes is smaller than "
+                                 f"one extent of {self.extent_bytes} bytes")
+            self._free_extents.extend(range(self.num_extents))
+        self.arena = HostArena(self.num_extents * self.extent_bytes, config.shm_name,
+                               mode=config.shm_mode, gid=config.shm_gid)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         if pin:
             self.arena.pin()
-        self._free: deque[int] = deque(range(self.num_slots))
-        self._entries: OrderedDict[ChunkKey, tuple[int, int]] = OrderedDict()  # key -> (slot, n)
-        self._reserved: dict[ChunkKey, int] = {}
+        self._entries: OrderedDict[ChunkKey, _Slot] = OrderedDict()
+        self._reserved: dict[ChunkKey, _Slot] = {}
+        self._used = 0
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of a one-size arena (0 for an arena shared by several sizes)."""
+        return self.extent_bytes // self.slot_stride if self.slot_stride else 0
 
     @property
     def capacity(self) -> int:
-        return self.num_slots * self.slot_stride
+        return self.num_extents * self.extent_bytes
 
     @property
     def used(self) -> int:
         with self._lock:
-            return (self.num_slots - len(self._free)) * self.slot_stride
+            return self._used
+
+    def stride_for(self, nbytes: int) -> int:
+        """The slot size an entry of ``nbytes`` takes; ValueError if none can hold it."""
+        if self.slot_stride:
+            if nbytes > self.slot_stride:
+                raise ValueError(f"host: entry of {nbytes} bytes is larger than the slot size {self.slot_bytes}")
+            return self.slot_stride
+        stride = round_up(nbytes, PAGE)
+        if stride > self.extent_bytes:
+            raise ValueError(f"host: an entry of {nbytes} bytes does not fit in one DRAM extent of "
+                             f"{self.extent_bytes} bytes (raise extent_bytes or use smaller chunks)")
+        return stride
 
     def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
-        return self.slot_stride
+        return self.stride_for(nbytes)
 
-    def _slot_view(self, slot: int, nbytes: int) -> torch.Tensor:
-        start = slot * self.slot_stride
-        return self.arena.tensor[start : start + nbytes]
+    def has_room(self, nbytes: int, count: int = 1) -> bool:
+        """Whether ``count`` more entries of ``nbytes`` fit now (free slots of their size, or
+        free extents)."""
+        stride = self.stride_for(nbytes)
+        with self._lock:
+            cls = self._classes.get(stride)
+            free = cls.free_slots() if cls is not None else 0
+            return free + len(self._free_extents) * (self.extent_bytes // stride) >= count
 
-    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None) -> Reservation:
+    def fits(self, nbytes: int, count: int) -> bool:
+        """Whether ``count`` entries of ``nbytes`` could be held at all."""
+        return count <= self.num_extents * (self.extent_bytes // self.stride_for(nbytes))
+
+    # -- regions (extents), for making room for another size -----------------------------------
+    def region_of(self, key: ChunkKey) -> int | None:
+        with self._lock:
+            slot = self._entries.get(key) or self._reserved.get(key)
+            return slot.offset // self.extent_bytes if slot is not None else None
+
+    def region_serves(self, key: ChunkKey, nbytes: int) -> bool:
+        """Whether evicting ``key`` alone frees a slot an entry of ``nbytes`` can take."""
+        with self._lock:
+            slot = self._entries.get(key)
+            return slot is not None and slot.stride == self.stride_for(nbytes)
+
+    def region_keys(self, region: int) -> list[ChunkKey]:
+        """Committed entries in extent ``region``."""
+        lo, hi = region * self.extent_bytes, (region + 1) * self.extent_bytes
+        with self._lock:
+            return [k for k, s in self._entries.items() if lo <= s.offset < hi]
+
+    def region_busy(self, region: int) -> bool:
+        """Whether extent ``region`` holds a reservation or a pinned entry (it cannot be
+        emptied now)."""
+        lo, hi = region * self.extent_bytes, (region + 1) * self.extent_bytes
+        with self._lock:
+            if any(lo <= s.offset < hi for s in self._reserved.values()):
+                return True
+            return any(self._pins.get(k) for k, s in self._entries.items() if lo <= s.offset < hi)
+
+    # -- slots --------------------------------------------------------------------------------
+    def _slot_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.arena.tensor[offset : offset + nbytes]
+
+    def _take_slot(self, stride: int) -> int:
+        cls = self._classes.get(stride)
+        if cls is None:
+            cls = self._classes[stride] = _SizeClass(stride)
+        exts = [e for e, f in cls.free.items() if f]
+        if exts:
+            ext = min(exts, key=lambda e: len(cls.free[e]))  # pack: the fullest extent first
+        elif self._free_extents:
+            ext = self._free_extents.popleft()
+            base = ext * self.extent_bytes
+            n = self.extent_bytes // stride
+            cls.free[ext] = list(range(base + (n - 1) * stride, base - 1, -stride))
+            cls.used[ext] = 0
+        else:
+            raise TierFullError(f"host: no free slot of {stride} bytes")
+        cls.used[ext] += 1
+        self._used += stride
+        return cls.free[ext].pop()
+
+    def _give_slot(self, slot: _Slot) -> None:
+        cls = self._classes[slot.stride]
+        ext = slot.offset // self.extent_bytes
+        cls.free[ext].append(slot.offset)
+        cls.used[ext] -= 1
+        self._used -= slot.stride
+        if not self.slot_stride and cls.used[ext] == 0:  # an empty extent serves any size again
+            del cls.free[ext], cls.used[ext]
+            self._free_extents.append(ext)
+
+    def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None,
+                slot_bytes: int | None = None) -> Reservation:
+        """Take a slot for ``key``. ``slot_bytes``: the slot size to take (a part of a typed
+        object, smaller than a chunk, still takes a chunk's slot); default: ``nbytes``."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"host: entry size must be a positive int, got {nbytes!r}")
-        if nbytes > self.slot_bytes:
-            raise ValueError(
-                f"host: entry of {nbytes} bytes is larger than the slot size {self.slot_bytes}"
-            )
+        stride = self.stride_for(max(nbytes, slot_bytes or 0))
         with self._lock:
             if key in self._entries or key in self._reserved:
                 raise EntryExistsError(f"host: chunk {key.hex()} is already stored or being written")
-            if not self._free:
-                raise TierFullError(f"host: all {self.num_slots} slots are in use")
-            slot = self._free.popleft()
+            offset = self._take_slot(stride)
+            slot = _Slot(offset, nbytes, stride, segment_bytes or nbytes)
             self._reserved[key] = slot
-        return Reservation(key, nbytes, segment_bytes or nbytes, self._slot_view(slot, nbytes), slot)
+        return Reservation(key, nbytes, segment_bytes or nbytes, self._slot_view(offset, nbytes), offset)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         with self._lock:
-            slot = self._reserved.pop(reservation.key, None)
-            if slot is None or slot != reservation.slot:
+            slot = self._reserved.get(reservation.key)
+            if slot is None or slot.offset != reservation.slot:
                 raise ValueError(f"host: no open reservation for chunk {reservation.key.hex()}")
+            del self._reserved[reservation.key]
             if not ok:
-                self._free.append(slot)
+                self._give_slot(slot)
                 return False
-            self._entries[reservation.key] = (slot, reservation.nbytes)
+            self._entries[reservation.key] = slot
             self.stats.writes += 1
             self.stats.bytes_written += reservation.nbytes
             return True
+
+    def reserving(self, key: ChunkKey) -> bool:
+        """Whether ``key`` has an open reservation (is being written)."""
+        with self._lock:
+            return key in self._reserved
 
     def get(
         self,
@@ -197,11 +401,11 @@ class HostTier(Tier):
                 self.stats.misses += 1
                 return None
             with self._lock:
-                slot, nbytes = self._entries[key]
-            length = nbytes - offset if length is None else length
-            if offset < 0 or length < 0 or offset + length > nbytes:
-                raise ValueError(f"host: range [{offset}, {offset + length}) outside entry of {nbytes} bytes")
-            src = self._slot_view(slot, nbytes)[offset : offset + length]
+                slot = self._entries[key]
+            length = slot.nbytes - offset if length is None else length
+            if offset < 0 or length < 0 or offset + length > slot.nbytes:
+                raise ValueError(f"host: range [{offset}, {offset + length}) outside entry of {slot.nbytes} bytes")
+            src = self._slot_view(slot.offset, slot.nbytes)[offset : offset + length]
             if out is None:
                 out = src.clone()
             else:
@@ -216,16 +420,16 @@ class HostTier(Tier):
         with self._lock:
             if not self._pins.get(key):
                 raise RuntimeError(f"host: view of chunk {key.hex()} without a pin")
-            slot, nbytes = self._entries[key]
+            slot = self._entries[key]
             self.stats.hits += 1
-            self.stats.bytes_read += nbytes
-        return self._slot_view(slot, nbytes)
+            self.stats.bytes_read += slot.nbytes
+        return self._slot_view(slot.offset, slot.nbytes)
 
     def slot_of(self, key: ChunkKey) -> int | None:
-        """Slot index of a committed entry (for processes that map the shared arena)."""
+        """Byte offset of a committed entry in the arena (for processes that map it)."""
         with self._lock:
-            entry = self._entries.get(key)
-            return entry[0] if entry else None
+            slot = self._entries.get(key)
+            return slot.offset if slot else None
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -233,23 +437,30 @@ class HostTier(Tier):
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
         with self._lock:
-            entry = self._entries.get(key)
-            return entry[1] if entry else None
+            slot = self._entries.get(key)
+            return slot.nbytes if slot else None
+
+    def segment_of(self, key: ChunkKey) -> int | None:
+        """The checksummed part size the entry was reserved with (a layer of a chunk)."""
+        with self._lock:
+            slot = self._entries.get(key)
+            return slot.segment if slot else None
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._entries)
 
     def _delete_unpinned(self, key: ChunkKey) -> bool:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        slot = self._entries.pop(key, None)
+        if slot is None:
             return False
-        self._free.append(entry[0])
+        self._give_slot(slot)
         return True
 
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
             self._reserved.clear()
-            self._free.clear()
+            self._classes.clear()
+            self._free_extents.clear()
             self.arena.close()

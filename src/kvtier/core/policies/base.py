@@ -5,10 +5,17 @@ A store keeps one policy instance per tier. The policy only orders keys; it neve
 
 Call order, per tier:
 
-- ``insert`` when a chunk lands in the tier, ``remove`` when it leaves (evicted or lost);
+- ``insert`` when a chunk lands in the tier (``position``: its index in its sequence, when
+  known), ``remove`` when it leaves (evicted or lost). The store touches every chunk it inserts
+  right after (a save touches its sequence; a chunk recovered from SSD is touched alone at its
+  recorded position), so a policy may hold an inserted chunk back from eviction until then;
 - ``touch`` when a sequence's chunks are looked up, loaded, saved or prefetched: ``keys[i]`` is
-  chunk ``i`` of the sequence (always a prefix, from the first chunk), so ``i`` is its position;
-  every tier's policy is touched, including for keys the tier does not hold;
+  chunk ``start + i`` of the sequence (a run of consecutive chunks, usually from the first), so
+  ``start + i`` is its position; every tier's policy is touched, including for keys the tier does
+  not hold. ``use`` names the request the touch belongs to (its number, as in ``begin``): the
+  touches of one request (lookup, load, save) are one use of a chunk, whatever else happens in
+  between. Without it, a touch belongs to the request last begun, or, with no scheduler at all,
+  is a use of its own;
 - ``victim`` names the key to evict next among those the store says it may evict (not pinned);
 - ``admit`` is asked before a chunk is written into the tier (saved into DRAM, demoted to SSD);
   a refused chunk is not written there (a save stops at the first refusal, since a chunk without
@@ -70,14 +77,17 @@ class EvictionPolicy(ABC):
     """Queued requests this policy wants announced through :meth:`hint` (0: none)."""
 
     @abstractmethod
-    def insert(self, key: ChunkKey) -> None: ...
+    def insert(self, key: ChunkKey, position: int | None = None) -> None:
+        """``key`` landed in the tier; ``position``: its index in its sequence, when known."""
 
     @abstractmethod
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
-        """``keys`` are one sequence's chunks, in prefix order from the first, just used.
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
+        """``keys`` are chunks ``start, start + 1, ...`` of one sequence, just used.
         ``cost_s``: seconds a miss on each of them costs, when the caller knows (the parts of a
         typed object declare their object's rebuild time); None for KV chunks, whose cost is
-        the tier context's compute model at their position."""
+        the tier context's compute model at their position. ``use``: the request number the
+        touch belongs to (see the module docstring)."""
 
     @abstractmethod
     def remove(self, key: ChunkKey) -> None: ...

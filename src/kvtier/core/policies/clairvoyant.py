@@ -24,20 +24,21 @@ class ClairvoyantPolicy(OptimalPolicy):
         self._saving: dict[ChunkKey, float] = {}
         self._held: dict[ChunkKey, None] = {}
 
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
         """Prefix-aware: along a sequence a chunk is worth at least any later chunk (losing it
         loses them), so a sequence's chunks share the deepest one's saving, and among equal
         rates the deepest goes first."""
         ctx = self._ctx
         saving = 0.0
-        for pos in range(len(keys) - 1, -1, -1):
-            key = keys[pos]
+        for i in range(len(keys) - 1, -1, -1):
+            key, pos = keys[i], start + i
             own = ctx.miss_saving_s(pos) if cost_s is None else cost_s - ctx.chunk_load_s
             saving = max(saving, own, 0.0)
             self._depth[key] = pos
             self._saving[key] = saving
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, position: int | None = None) -> None:
         self._held[key] = None
 
     def remove(self, key: ChunkKey) -> None:

@@ -145,16 +145,23 @@ class CostPolicy(EvictionPolicy):
             heapq.heapify(self._heap)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
         if not keys:
             return
         declared = None if cost_s is None else max(cost_s - self._ctx.chunk_load_s, 0.0)
-        if not self._epochs_from_begin:
+        if use is not None:
+            epoch = use + 1  # the numbering of begin(): a request's touches are one use
+        elif self._epochs_from_begin:
+            epoch = self._epoch
+        else:
             self._epoch += 1  # no scheduler: every touch counts as a use
-        epoch, metas, model = self._epoch, self._meta, self._model
+            epoch = self._epoch
+        metas, model = self._meta, self._model
         last = len(keys) - 1
-        for pos, key in enumerate(keys):
-            cls = _class_of(1, last - pos, declared is not None)
+        for i, key in enumerate(keys):
+            pos = start + i
+            cls = _class_of(1, last - i, declared is not None)
             meta = metas.get(key)
             if meta is None:
                 metas[key] = _Meta(1, pos, cls, epoch, declared)
@@ -170,24 +177,27 @@ class CostPolicy(EvictionPolicy):
             meta.position = pos
             if declared is not None:
                 meta.declared = declared
-            meta.cls = _class_of(meta.uses, last - pos, meta.declared is not None)
+            meta.cls = _class_of(meta.uses, last - i, meta.declared is not None)
             model.seen(meta.cls)
-        while len(metas) > MAX_GHOSTS + len(self._resident):
-            metas.popitem(last=False)
         value = 0.0
         resident = self._resident
-        for pos in range(last, -1, -1):
-            key = keys[pos]
+        for i in range(last, -1, -1):
+            key = keys[i]
             value = max(value, self._value(metas[key]))
             if key in resident:
-                self._queue(key, self._inflation + value, pos)
+                self._queue(key, self._inflation + value, start + i)
+        # The oldest ghosts go only now: every key of this call must still be known above.
+        while len(metas) > MAX_GHOSTS + len(resident):
+            metas.popitem(last=False)
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, position: int | None = None) -> None:
         meta = self._meta.get(key)
         if meta is None:
             # A chunk being saved: the save's touch, which the store always makes right after
-            # its inserts, sets its real priority. Until then it must not be the next victim.
-            self._queue(key, FRESH, 0)
+            # its inserts, sets its real priority. Until then it is not a victim while any
+            # touched chunk is; among such chunks the deepest goes first (losing it loses
+            # nothing before it).
+            self._queue(key, FRESH, position or 0)
         else:
             self._queue(key, self._inflation + self._value(meta), meta.position)
 
@@ -219,7 +229,8 @@ class CostPolicy(EvictionPolicy):
             need = window.next_need(key)
             if need is None:
                 found = key
-                self._inflation = max(self._inflation, entry[0])
+                if entry[0] != FRESH:  # a chunk never touched must not inflate every priority
+                    self._inflation = max(self._inflation, entry[0])
                 break
             needed.append((need, key, entry[0]))
         if found is None and needed:  # every candidate is needed soon: the farthest goes

@@ -20,11 +20,12 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, position: int | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
         order = self._order
         for key in reversed(keys):
             if key in order:

@@ -55,13 +55,14 @@ class OptimalPolicy(EvictionPolicy):
     def admit(self, key: ChunkKey, position: int | None) -> bool:
         return self._next_use(key) != NEVER
 
-    def insert(self, key: ChunkKey) -> None:
+    def insert(self, key: ChunkKey, position: int | None = None) -> None:
         self._push(key)
 
-    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> None:
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
         resident, depth = self._resident, self._depth
-        for pos, key in enumerate(keys):
-            depth[key] = pos
+        for i, key in enumerate(keys):
+            depth[key] = start + i
             if key in resident and resident[key] != self._next_use(key):
                 self._push(key)
 

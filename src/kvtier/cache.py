@@ -1,0 +1,629 @@
+"""ChunkCache: entries keyed by :data:`ChunkKey` across DRAM, SSD and a remote tier, shared by
+threads.
+
+The store's engine, below the :class:`~kvtier.store.KVStore` facade (which knows one model's KV
+layout and packs tensors) and the store daemon (whose clients say what their chunks are). It
+knows no layout: an entry is bytes in parts of ``segment_bytes`` (a layer of a chunk).
+
+Locking: one lock, held for bookkeeping only -- the index, the policies, the tiers' slot and
+space accounting, pins. Every byte copy, file read or write and network round trip happens with
+the lock released: a :class:`~kvtier.core.placement.Placement` decision is carried out by the
+:class:`~kvtier.moves.TierMover` on the transfer handler of its pair of tiers while other
+threads go on (see :mod:`kvtier.moves` for the entry states that keep that safe), and the
+remote tier is probed outside it. Any number of threads may call any method.
+
+Entry lifecycle, as a caller sees it:
+
+- ``reserve`` a DRAM slot for a new entry (``Held``: some tier has it; ``Busy``: someone is
+  writing it right now -- skip it, nothing failed), fill ``res.buffer``, ``commit`` (or abandon
+  with ``ok=False``). Uncommitted, the entry is invisible to lookups.
+- ``acquire`` pins the longest held prefix of a sequence in DRAM (promoting from SSD or the
+  remote tier); the bytes stay in their slots until ``release``.
+- ``read`` copies one entry out, pinned while it is read, from wherever it is.
+
+Failure contract: an entry that cannot be read (checksum, missing file, server down) is a miss
+that is counted and forgotten; wrong bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Self, TypeVar
+
+from kvtier.core.index import PrefixHit
+from kvtier.core.keys import ChunkKey
+from kvtier.core.placement import Placement, Shape
+from kvtier.core.policies.base import TierContext
+from kvtier.core.policy import LIVE_POLICIES, POLICIES, make_policy
+from kvtier.moves import TierMover
+from kvtier.store_types import (
+    MAX_WAITING,
+    NOMINAL_READ_BPS,
+    RemoteConfig,
+    StoreStats,
+    make_remote_tier,
+)
+from kvtier.tiers.base import Reservation, Tier, TierFullError
+from kvtier.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.uploader import Uploader
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_REMOTE_KEYS = 1 << 20
+"""Chunks of the remote tier the index remembers at most (hints; a lookup asks again)."""
+MAX_ABSENT = 1 << 16
+NOMINAL_CHUNK_BYTES = 16 << 20
+"""What the policies assume a chunk weighs when the store serves any model."""
+
+
+class Slot(enum.Enum):
+    """Why :meth:`ChunkCache.reserve` returned no reservation."""
+
+    HELD = "held"
+    """Some tier already holds the entry: nothing to write."""
+    BUSY = "busy"
+    """Someone else is writing the entry right now: skip it (it will be there)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    host: HostTierConfig
+    disk: DiskTierConfig | None = None
+    remote: RemoteConfig | None = None
+    policy: str = "lru"
+    write_through: bool = False
+    """Also write every committed entry to SSD (in the background), so it survives a restart."""
+    chunk: Shape | None = None
+    """The one entry shape of a store of one model (DRAM slots of that size). None: any
+    shapes (a daemon serving any model: DRAM is shared by sizes an extent at a time)."""
+    chunk_tokens: int = 256
+    """Tokens per chunk, for the policies' cost model."""
+    room_wait_s: float = 2.0
+    """How long ``reserve`` waits for evictions other threads are running to free a slot."""
+    remote_verify_s: float = 5.0
+    """A chunk found in the remote tier is trusted this long before a lookup asks again."""
+    remote_miss_s: float = 1.0
+    """A chunk the remote tier did not have is not asked for again for this long."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, HostTierConfig):
+            raise TypeError("CacheConfig.host must be a HostTierConfig")
+        if self.disk is not None and not isinstance(self.disk, DiskTierConfig):
+            raise TypeError("CacheConfig.disk must be a DiskTierConfig")
+        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
+            raise TypeError("CacheConfig.remote must be a RemoteConfig")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
+        if self.policy not in LIVE_POLICIES:
+            raise ValueError(
+                f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
+                f"live policies: {list(LIVE_POLICIES)}"
+            )
+        if not isinstance(self.write_through, bool):
+            raise ValueError(f"write_through must be true or false, got {self.write_through!r}")
+        for name in ("room_wait_s", "remote_verify_s", "remote_miss_s"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One entry pinned in DRAM by :meth:`ChunkCache.acquire`."""
+
+    key: ChunkKey
+    offset: int
+    """Byte offset of its slot in the DRAM arena."""
+    nbytes: int
+    source: str
+    """The tier it was found in (``host``, or ``disk``/``remote`` if it was promoted)."""
+
+
+class ChunkCache:
+    """Entries across a host DRAM tier, an optional SSD tier and an optional remote tier."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        chunk_bytes = config.chunk.nbytes if config.chunk else NOMINAL_CHUNK_BYTES
+        # policies first: a bad one must fail before any tier takes memory or a directory lock
+        kinds = ["host"] + ["disk"] * (config.disk is not None) + ["remote"] * (config.remote is not None)
+        policies = [
+            make_policy(config.policy, TierContext(
+                level=level, chunk_tokens=config.chunk_tokens,
+                chunk_load_s=chunk_bytes / NOMINAL_READ_BPS[kind],
+            ))
+            for level, kind in enumerate(kinds)
+        ]
+        host = HostTier(config.host, slot_bytes=config.chunk.nbytes if config.chunk else None)
+        self.tiers: list[Tier] = [host]
+        self.remote: Tier | None = None
+        self.disk: DiskTier | None = None
+        try:
+            if config.disk is not None:
+                self.disk = DiskTier(config.disk)
+                self.tiers.append(self.disk)
+            if config.remote is not None:
+                self.remote = make_remote_tier(config.remote.tier)
+                self.tiers.append(self.remote)
+        except BaseException:
+            for tier in self.tiers:
+                tier.close()
+            raise
+        self.host = host
+        if config.chunk is not None:
+            for tier in self.tiers:
+                need = tier.footprint(config.chunk.nbytes, config.chunk.segment_bytes)
+                if need > tier.capacity:
+                    for t in self.tiers:
+                        t.close()
+                    raise ValueError(
+                        f"{tier.name} capacity of {tier.capacity} bytes cannot hold one chunk "
+                        f"({need} bytes for {config.chunk_tokens} tokens of this layout)"
+                    )
+        self.uploader: Uploader | None = None
+        if self.remote is not None:
+            self.uploader = Uploader(self.remote, config.chunk.segment_bytes if config.chunk else None,
+                                     config.remote.max_queued)  # type: ignore[union-attr]
+        self.remote_level = len(self.tiers) - 1 if self.remote is not None else None
+        self._lock = threading.Lock()
+        self.mover = TierMover(self.tiers, host, config.chunk, self.uploader, self._uploaded,
+                               self._lock, position_of=lambda key: self.index.position(key))
+        self._changed = self.mover.changed
+        self.placement = Placement(policies, self.mover)
+        self.index = self.placement.index
+        self.stats = StoreStats()
+        self._background = ThreadPoolExecutor(2, thread_name_prefix="kvtier-background")
+        self._next_seq = 0
+        self._waiting: OrderedDict[str, int] = OrderedDict()
+        self._running: OrderedDict[str, int] = OrderedDict()
+        self._remote_seen: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._remote_absent: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._closed = False
+        with self._lock:
+            for level, tier in enumerate(self.tiers):
+                if level == self.remote_level:
+                    continue  # shared and large: its chunks are found by lookups, not listed
+                for key in tier.keys():  # persistent tiers come back with their chunks, oldest first
+                    position = tier.position_of(key) if isinstance(tier, DiskTier) else None
+                    self.placement.added(key, level, position)
+                    self.placement.touch([key], start=position or 0)  # ranked, not left unranked
+                while tier.used > tier.capacity and self.placement.evict(level):
+                    pass
+
+    # -- the lock -----------------------------------------------------------------------------
+    def _shaped(self, entry: Shape | None):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        return self.mover.shaped(entry) if entry is not None else contextlib.nullcontext()
+
+    def _uploaded(self, key: ChunkKey, ok: bool) -> None:
+        """The uploader finished a chunk (its thread)."""
+        if ok:
+            with self._lock:
+                self.placement.added(key, self.remote_level)  # type: ignore[arg-type]
+                self._remote_seen[key] = time.monotonic()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background work (write-through copies, queued prefetches, uploads to the
+        remote tier, SSD unlinks) is done; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self._background.submit(lambda: None)  # runs after what was queued before it
+        try:
+            done.result(timeout=timeout)
+        except TimeoutError:
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self.uploader is not None and not self.uploader.flush(left):
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.disk.flush_deletes(left) if self.disk is not None else True
+
+    # -- requests (the policies' notion of a use) ---------------------------------------------
+    def queued(self, request_id: str, keys: Sequence[ChunkKey], *, entry: Shape | None = None,
+               wait: bool = True) -> int:
+        """A request arrived and waits to be served; it will need ``keys`` (a prefix). It gets
+        the next number in arrival order, the policies with a look-ahead hear of it, and its
+        held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background).
+        Returns how many were promoted (0 when not waited for)."""
+        with self._lock:
+            seq = self._seq_for(request_id)
+            if self.placement.lookahead:
+                self.placement.hint(seq, list(keys))
+        return self.prefetch(keys, use=seq, entry=entry, wait=wait)
+
+    def _seq_for(self, request_id: str) -> int:
+        seq = self._waiting.get(request_id)
+        if seq is None:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._waiting[request_id] = seq
+            while len(self._waiting) > MAX_WAITING:  # never started (aborted): forget the oldest
+                self._waiting.popitem(last=False)
+        return seq
+
+    def started(self, request_id: str) -> int:
+        """The request is being served (before its lookup): the policies ``begin`` it. A request
+        never announced with :meth:`queued` gets its number now. Requests are assumed to start
+        roughly in arrival order: starting one also ends the look-ahead protection of those that
+        arrived before it. Returns its number, the ``use`` of its touches."""
+        with self._lock:
+            seq = self._waiting.pop(request_id, None)
+            if seq is None:
+                seq = self._running.get(request_id)
+                if seq is not None:
+                    return seq  # asked again (a scheduler polls): one begin per request
+                seq = self._next_seq
+                self._next_seq += 1
+            self._running[request_id] = seq
+            while len(self._running) > MAX_WAITING:
+                self._running.popitem(last=False)
+            self.placement.begin(seq, time.monotonic())
+            return seq
+
+    def use_of(self, request_id: str | None) -> int | None:
+        """The number of a queued or started request (None for an unknown one)."""
+        if request_id is None:
+            return None
+        with self._lock:
+            seq = self._running.get(request_id)
+            return seq if seq is not None else self._waiting.get(request_id)
+
+    def finished(self, request_id: str) -> None:
+        with self._lock:
+            self._running.pop(request_id, None)
+            self._waiting.pop(request_id, None)
+
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None) -> PrefixHit:
+        """The longest run of held chunks from the first (remote tier asked for those past the
+        locally held prefix, outside the lock); touches them."""
+        keys = list(keys)
+        if self.remote is not None:
+            self._probe_remote(keys)
+        with self._lock:
+            hit = self.placement.lookup(keys, use=use)
+            st = self.stats
+            st.lookups += 1
+            absent = len(keys) - len(hit)
+            for level, tier in enumerate(self.tiers):
+                st.hits[tier.name] += hit.levels.count(level)
+                st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
+        return hit
+
+    def _probe_remote(self, keys: list[ChunkKey]) -> None:
+        """Chunks past the locally held prefix may be in the shared remote tier (saved by
+        another instance): ask it in one round trip, without the lock, for those not known
+        there recently, and index what it holds. Chunks it no longer has leave the index."""
+        level, now = self.remote_level, time.monotonic()
+        assert level is not None
+        with self._lock:
+            index, n = self.index, 0
+            while n < len(keys) and (found := index.fastest(keys[n])) is not None and found < level:
+                n += 1
+            seen = self._remote_seen
+            while n < len(keys) and index.holds(keys[n], level) and now - seen.get(keys[n], -1e18) < self.config.remote_verify_s:
+                n += 1
+            rest = keys[n:]
+            if not rest or self._remote_absent.get(rest[0], 0.0) > now:
+                return
+        got = self.remote.contains_prefix(rest)  # type: ignore[union-attr]  # 0 when down
+        with self._lock:
+            now = time.monotonic()
+            for key in rest[:got]:
+                self.placement.added(key, level)
+                seen[key] = now
+                seen.move_to_end(key)
+                self._remote_absent.pop(key, None)
+            if got < len(rest):
+                gone = rest[got]
+                if self.index.holds(gone, level) and self.index.fastest(gone) == level:
+                    self._unlist(gone, level)  # another instance evicted it from the server
+                self._remote_absent[gone] = now + self.config.remote_miss_s
+                self._remote_absent.move_to_end(gone)
+                while len(self._remote_absent) > MAX_ABSENT:
+                    self._remote_absent.popitem(last=False)
+            while len(seen) > MAX_REMOTE_KEYS:  # hints only: the oldest are asked for again
+                old, _ = seen.popitem(last=False)
+                if self.index.holds(old, level):
+                    self._unlist(old, level)
+
+    def _unlist(self, key: ChunkKey, level: int) -> None:
+        """Drop ``key`` at ``level`` from the index (not a loss: it is just not known there)."""
+        self.index.discard(key, level)
+        self.placement.policies[level].remove(key)
+        self._remote_seen.pop(key, None)
+
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self.index
+
+    # -- reads --------------------------------------------------------------------------------
+    def acquire(self, keys: Sequence[ChunkKey], *, entry: Shape | None = None, start: int = 0,
+                use: int | None = None, touch: bool = True) -> list[Held]:
+        """Pin the longest held prefix of ``keys`` in DRAM, promoting chunks from SSD or the
+        remote tier, and return where each is. The caller reads the slots, then calls
+        :meth:`release` with their keys. ``entry``: the shape of these chunks (for a store of
+        any model: what a chunk coming up from the remote tier will be). Shorter than the held
+        prefix when DRAM cannot hold it all (what is pinned already, by anyone, stays).
+        ``touch``: count this as a use of the chunks (``start``: the position of ``keys[0]``
+        in its sequence; ``use``: the request)."""
+        keys = list(keys)
+        out: list[Held] = []
+        with self._lock, self._shaped(entry):
+            if self.remote_level is not None:  # a run held in the remote tier: one round trip
+                lost = self.placement.stats.lost
+                self.placement.promote_prefix(keys, level=self.remote_level)
+                self.stats.load_failures += self.placement.stats.lost - lost
+            host, index = self.host, self.index
+            prefix = index.longest_prefix(keys)
+            early = [k for k, lvl in zip(prefix.keys, prefix.levels, strict=True) if lvl == 0 and host.pin(k)]
+            pinned_early = set(early)
+            try:
+                for key in prefix.keys:
+                    level = index.fastest(key)
+                    if level is None:
+                        break
+                    source = self.tiers[level].name
+                    if key in pinned_early:
+                        pinned_early.discard(key)
+                    else:
+                        if level > 0:
+                            lost = self.placement.stats.lost
+                            ok = self.placement.promote(key, level)
+                            self.stats.load_failures += self.placement.stats.lost - lost
+                            if not ok:
+                                break
+                        if not host.pin(key):
+                            break
+                    out.append(Held(key, host.slot_of(key), host.entry_bytes(key), source))  # type: ignore[arg-type]
+            finally:
+                for key in pinned_early:  # pinned ahead but not returned
+                    host.unpin(key)
+            if touch:
+                self.placement.touch([h.key for h in out], start=start, use=use)
+            for h in out:
+                self.stats.loaded_chunks[h.source] += 1
+        return out
+
+    def release(self, keys: Sequence[ChunkKey]) -> None:
+        """Undo :meth:`acquire`'s pins."""
+        with self._lock:
+            for key in keys:
+                self.host.unpin(key)
+
+    def read(self, key: ChunkKey, read: Callable[[int, Tier], T | None], *,
+             promote: bool = True, entry: Shape | None = None) -> tuple[T, int] | None:
+        """``read(level, tier)`` the entry, pinned there, outside the lock, from the tier the
+        placement picks (promoting it into DRAM first when ``promote``); with the level it was
+        found in before promotion. A failed read is counted, that copy forgotten, and the next
+        tier tried; None if none could be read."""
+        while True:
+            with self._lock, self._shaped(entry):
+                found = self.index.fastest(key)
+                if found is None:
+                    return None
+                level = self.placement.source(key, promote)
+                if level is None:
+                    return None
+                tier = self.tiers[level]
+                held = self.mover.pin(level, key)
+            got = None
+            try:
+                if held:
+                    got = read(level, tier)
+            finally:
+                with self._lock:
+                    if held:
+                        tier.unpin(key)
+                    if got is None:
+                        self.stats.load_failures += 1
+                        self._forget(key, level)
+            if got is not None:
+                return got, found
+
+    def forget(self, key: ChunkKey) -> None:
+        """Forget ``key`` in every tier (an object that cannot be completed)."""
+        with self._lock:
+            for level in self.index.levels(key):
+                self._forget(key, level)
+
+    def _forget(self, key: ChunkKey, level: int) -> None:
+        """The tier lost the entry (damage found on read): drop it from the index, and from the
+        tier unless someone still reads it (the remote tier removes damaged objects itself)."""
+        self.placement.forget(key, level)
+        if level == self.remote_level:
+            self._remote_seen.pop(key, None)
+            return
+        tier = self.tiers[level]
+        if tier.contains(key) and not tier.is_pinned(key):
+            tier.delete(key)
+
+    def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None,
+                 entry: Shape | None = None, wait: bool = True) -> int:
+        """Promote the held prefix of ``keys`` into DRAM ahead of use (a scheduler hint).
+        Returns how many chunks were promoted (with ``wait=False`` the work is queued to a
+        background thread and 0 is returned); stops at the first chunk held nowhere."""
+        keys = list(keys)
+
+        def work() -> int:
+            with self._lock, self._shaped(entry):
+                return self.placement.prefetch(keys, start=start, use=use)
+
+        if wait:
+            return work()
+        if not self._closed:
+            self._background.submit(self._logged, work)
+        return 0
+
+    @staticmethod
+    def _logged(fn: Callable[[], T]) -> T | None:
+        try:
+            return fn()
+        except Exception:  # background work must never die silently
+            log.exception("kvtier background work failed")
+            return None
+
+    # -- writes -------------------------------------------------------------------------------
+    def reserve(self, key: ChunkKey, entry: Shape, *, position: int | None = None,
+                slot_bytes: int | None = None, remaining: int = 1) -> Reservation | Slot:
+        """A DRAM slot for new entry ``key`` (evicting as needed; waits up to ``room_wait_s`` for
+        evictions other threads run), or why there is none to write: :attr:`Slot.HELD`,
+        :attr:`Slot.BUSY`. Fill ``res.buffer``, then :meth:`commit`. Raises TierFullError if
+        every resident entry is pinned or the policy does not admit chunk ``position`` of its
+        sequence (``remaining``: chunks of the sequence from this one on, for the counts).
+        ``slot_bytes``: the slot size to take when the entry is smaller (a part of a typed
+        object takes a chunk's slot)."""
+        shape = Shape(slot_bytes, entry.segment_bytes) if slot_bytes else entry
+        deadline = time.monotonic() + self.config.room_wait_s
+        with self._lock, self._shaped(shape):
+            state = self._slot_state(key)
+            if state is not None:
+                return state
+            if not self.placement.admits(key, position, remaining):
+                raise TierFullError(
+                    f"no DRAM slot for the chunk: the {self.config.policy} policy did not admit it")
+            while not self.placement.make_room(0, entry=shape):
+                left = deadline - time.monotonic()
+                if not self.placement.evicting(0) or left <= 0:
+                    self.placement.stats.dropped += remaining
+                    raise TierFullError("no DRAM slot for the chunk: every resident chunk is pinned")
+                self._changed.wait(left)  # type: ignore[union-attr]  # another thread frees one
+                state = self._slot_state(key)
+                if state is not None:
+                    return state
+            state = self._slot_state(key)  # making room let others run
+            if state is not None:
+                return state
+            return self.host.reserve(key, entry.nbytes, entry.segment_bytes, slot_bytes=slot_bytes)
+
+    def _slot_state(self, key: ChunkKey) -> Slot | None:
+        if key in self.index:
+            return Slot.HELD
+        if self.host.reserving(key):
+            return Slot.BUSY
+        return None
+
+    def commit(self, res: Reservation, ok: bool = True, *, position: int | None = None) -> Future | bool:
+        """Publish (or abandon) a reserved entry. Returns False if nothing was stored, else True
+        or, with ``write_through`` (or a write-through remote tier), the Future of its copy
+        down, which the caller may wait for."""
+        with self._lock:
+            try:
+                stored = self.host.commit(res, ok=ok)
+            finally:
+                self._changed.notify_all()  # type: ignore[union-attr]
+            if not stored:
+                return False
+            self.placement.added(res.key, 0, position)
+            self.stats.saved_chunks += 1
+            remote = self.config.remote
+            if remote is not None and remote.write == "through":
+                self._upload_from_dram(res.key)
+            if self.config.write_through and self.disk is not None and not self._closed:
+                return self._background.submit(self._logged, lambda: self._write_through(res.key))
+            return True
+
+    def _write_through(self, key: ChunkKey) -> None:
+        with self._lock:
+            if self.index.holds(key, 0):
+                self.placement.demote(key, 0)
+
+    def _upload_from_dram(self, key: ChunkKey) -> None:
+        """Queue a saved chunk for the remote tier straight from its DRAM slot, pinned until
+        the upload is over (no copy). Under the lock."""
+        if self.index.holds(key, self.remote_level) or not self.host.pin(key):  # type: ignore[arg-type]
+            return
+
+        def unpin() -> None:
+            with self._lock:
+                self.host.unpin(key)
+
+        if self.mover.upload(key, self.host.view(key), after=unpin, seg=self.host.segment_of(key)):
+            self.placement.stats.writes_down[self.remote_level] += 1  # type: ignore[index]
+        else:
+            self.host.unpin(key)
+
+    def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
+              use: int | None = None) -> None:
+        with self._lock:
+            self.placement.touch(list(keys), cost_s, start=start, use=use)
+
+    def pin_dram(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self.host.pin(key)
+
+    def unpin_dram(self, key: ChunkKey) -> None:
+        with self._lock:
+            self.host.unpin(key)
+
+    # -- introspection ------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, object]:
+        """Capacity, use and counters per tier, and the store's own counters."""
+        with self._lock:
+            s, ps = self.stats, self.placement.stats
+            return {
+                "tiers": {
+                    t.name: {
+                        "capacity_bytes": t.capacity,
+                        "used_bytes": t.used,
+                        "chunks": self.index.count(level),
+                        "hits": s.hits[t.name],
+                        "misses": s.misses[t.name],
+                        "evictions": ps.evictions[level],
+                        "io": t.stats.as_dict(),
+                    }
+                    for level, t in enumerate(self.tiers)
+                },
+                "lookups": s.lookups,
+                "lookup_tokens": s.lookup_tokens,
+                "hit_tokens": s.hit_tokens,
+                "loaded_tokens": dict(s.loaded_tokens),
+                "loaded_chunks": dict(s.loaded_chunks),
+                "had_tokens": s.had_tokens,
+                "saved_chunks": s.saved_chunks,
+                "dedup_chunks": s.dedup_chunks,
+                "busy_chunks": s.busy_chunks,
+                "dropped_chunks": s.dropped_chunks,
+                "demotions": sum(ps.writes_down[1:]),
+                "promotions": ps.promotions,
+                "prefetched": ps.prefetched,
+                "prefetch_hits": ps.prefetch_hits,
+                "load_failures": s.load_failures,
+                "engine_load_failures": s.engine_load_failures,
+                "uploads": asdict(self.uploader.stats) if self.uploader is not None else {},
+            }
+
+    def close(self) -> None:
+        self._closed = True
+        self._background.shutdown(wait=True)
+        if self.uploader is not None:
+            self.uploader.flush(timeout=30)
+            self.uploader.close()
+        self.mover.close()
+        with self._lock:  # the remote tier first: it waits for reads it gave up on into DRAM slots
+            for tier in reversed(self.tiers):
+                tier.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_all(results: Sequence[Future | bool]) -> None:
+    """Wait for the futures among :meth:`ChunkCache.commit`'s results."""
+    for r in results:
+        if isinstance(r, Future):
+            r.result()
+
+
+__all__ = ["CacheConfig", "ChunkCache", "Held", "Slot", "wait_all"]

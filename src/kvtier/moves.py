@@ -1,0 +1,411 @@
+"""Byte movement for the store: transfer handlers per pair of tiers, and the live mover.
+
+:class:`~kvtier.core.placement.Placement` decides, under the store's lock, and hands each decision
+to the store's :class:`TierMover` as a :class:`~kvtier.core.placement.Move`. The mover takes what
+must be taken atomically with the decision -- the destination's reservation, made while the lock
+is still held -- then **releases the store's lock** and gives the byte copy to the
+:class:`Handler` registered for the move's (source tier, destination tier) pair, which runs it
+on its own threads; when it is done the mover takes the lock again and reports the outcome.
+Other clients' lookups, loads and saves go on meanwhile: no tier I/O, no network round trip and
+no bulk memory copy happens under the lock.
+
+Entry states while the lock is released, and what protects them:
+
+- *being written*: a destination reservation is invisible to lookups, and a second writer of
+  the same key is refused (``EntryExistsError``); a promotion that finds its key being written
+  by someone else waits for that write and reports :attr:`Copied.PRESENT`;
+- *being read*: the source is pinned by the placement, so nothing deletes it;
+- *being evicted*: a victim is marked leaving by the placement, skipped by other evictions, and
+  dropped after its demotion only if nobody pinned it meanwhile.
+
+Moves into the remote tier go through the :class:`~kvtier.uploader.Uploader` (a queue and its
+thread): the handler for (DRAM or SSD, remote) only copies the bytes out for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.placement import Copied, Move, Shape
+from kvtier.tiers.base import EntryExistsError, Reservation, Tier, TierFullError
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.uploader import Uploader
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HANDLER_THREADS = {("host", "disk"): 2, ("disk", "host"): 2, ("remote", "host"): 2,
+                   ("host", "remote"): 1, ("disk", "remote"): 1}
+"""Threads per (source, destination) pair: the SSD's queue depth, the remote tier's calls."""
+WAIT_FOR_WRITER_S = 10.0
+"""How long a promotion waits for another thread's write of the same chunk."""
+
+
+class Handler:
+    """The transfers of one (source tier, destination tier) pair, on its own threads."""
+
+    def __init__(self, src: str, dst: str, threads: int) -> None:
+        self.name = f"{src}->{dst}"
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{src}-{dst}")
+
+    def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """Run ``fn`` on this handler's threads and wait for it (the caller holds no lock)."""
+        return self._pool.submit(fn, *args, **kwargs).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class Transfers:
+    """The registry of handlers, one per (source tier, destination tier) pair."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[tuple[str, str], Handler] = {}
+
+    def register(self, src: str, dst: str, threads: int | None = None) -> Handler:
+        handler = Handler(src, dst, HANDLER_THREADS.get((src, dst), 1) if threads is None else threads)
+        self._handlers[(src, dst)] = handler
+        return handler
+
+    def get(self, src: str, dst: str) -> Handler:
+        try:
+            return self._handlers[(src, dst)]
+        except KeyError:
+            return self.register(src, dst)
+
+    def close(self) -> None:
+        for handler in self._handlers.values():
+            handler.close()
+
+
+class TierMover:
+    """The store's :class:`~kvtier.core.placement.Mover`: moves chunk bytes between its tiers.
+
+    ``lock`` is the store's lock, held by whoever calls the mover (the placement); the mover
+    releases it while bytes move. Without one (a mover used on its own, in tests) nothing is
+    released. ``chunk``: the ``(nbytes, segment_bytes)`` of an entry when the caller does not
+    say (:meth:`shape`); ``position_of``: a chunk's index in its sequence (recorded on SSD).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], host: HostTier, chunk: Shape | None,
+                 uploader: Uploader | None = None,
+                 uploaded: Callable[[ChunkKey, bool], None] | None = None,
+                 lock: threading.Lock | None = None,
+                 position_of: Callable[[ChunkKey], int | None] | None = None) -> None:
+        self.tiers = list(tiers)
+        self.host = host
+        self.chunk = chunk
+        self.uploader = uploader
+        self.remote_level = len(tiers) - 1 if uploader is not None else None
+        self._uploaded = uploaded
+        self._lock = lock
+        self.changed = threading.Condition(lock) if lock is not None else None
+        """Notified whenever a reservation ends (committed or abandoned) under the lock."""
+        self._position_of = position_of or (lambda key: None)
+        self.transfers = Transfers()
+        names = [t.name for t in tiers]
+        for src in names:
+            for dst in names:
+                if src != dst and (src, dst) in HANDLER_THREADS:
+                    self.transfers.register(src, dst)
+        self._local = threading.local()
+
+    # -- the caller's lock --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unlocked(self) -> Iterator[None]:
+        """Release the store's lock for the body (the caller holds it)."""
+        if self._lock is None:
+            yield
+            return
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
+    def notify(self) -> None:
+        """Wake whoever waits for a reservation to end (call under the lock)."""
+        if self.changed is not None:
+            self.changed.notify_all()
+
+    # -- entry shapes -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def shaped(self, entry: Shape) -> Iterator[None]:
+        """Chunks this thread moves in the body whose shape no tier knows yet (coming up from
+        the remote tier) are ``entry`` (a daemon's client says what its chunks are)."""
+        old = getattr(self._local, "shape", None)
+        self._local.shape = entry
+        try:
+            yield
+        finally:
+            self._local.shape = old
+
+    def shape(self) -> Shape | None:
+        return getattr(self._local, "shape", None) or self.chunk
+
+    def entry_of(self, level: int, key: ChunkKey) -> Shape | None:
+        if level == 0:
+            n, seg = self.host.entry_bytes(key), self.host.segment_of(key)
+            return Shape(n, seg) if n is not None and seg is not None else None
+        tier = self.tiers[level]
+        if isinstance(tier, DiskTier):
+            n, seg = tier.entry_bytes(key), tier.segment_bytes_of(key)
+            return Shape(n, seg) if n is not None and seg is not None else None
+        return self.shape()  # the remote tier: asking would be a round trip under the lock
+
+    def _entry(self, entry: Shape | None) -> Shape | None:
+        return entry if entry is not None else self.shape()
+
+    # -- room ---------------------------------------------------------------------------------
+    def has_room(self, level: int, count: int = 1, entry: Shape | None = None) -> bool:
+        if level == self.remote_level:
+            return True  # the uploader makes room in the shared tier (it may be full only later)
+        shape = self._entry(entry)
+        if shape is None:
+            raise ValueError("the size of the entry to make room for is not known")
+        if level == 0:
+            return self.host.has_room(shape.nbytes, count)
+        tier = self.tiers[level]
+        return tier.free >= count * tier.footprint(shape.nbytes, shape.segment_bytes)
+
+    def fits(self, level: int, count: int, entry: Shape | None = None) -> bool:
+        shape = self._entry(entry)
+        if shape is None:
+            return False
+        if level == 0:
+            return self.host.fits(shape.nbytes, count)
+        tier = self.tiers[level]
+        return count * tier.footprint(shape.nbytes, shape.segment_bytes) <= tier.capacity
+
+    def evictable(self, level: int, key: ChunkKey, entry: Shape | None = None) -> bool:
+        tier = self.tiers[level]
+        if tier.is_pinned(key):
+            return False
+        if level != 0 or self.host.slot_stride:
+            return True
+        shape = self._entry(entry)
+        if shape is None or self.host.region_serves(key, shape.nbytes):
+            return True
+        region = self.host.region_of(key)  # another size: only a whole extent can make room
+        return region is not None and not self.host.region_busy(region)
+
+    def evict_group(self, level: int, key: ChunkKey, entry: Shape | None = None) -> list[ChunkKey]:
+        shape = self._entry(entry)
+        if level != 0 or self.host.slot_stride or shape is None or self.host.region_serves(key, shape.nbytes):
+            return [key]
+        region = self.host.region_of(key)
+        return self.host.region_keys(region) if region is not None else [key]
+
+    # -- pins ---------------------------------------------------------------------------------
+    def is_pinned(self, level: int, key: ChunkKey) -> bool:
+        return self.tiers[level].is_pinned(key)
+
+    def pin_many(self, level: int, keys: Sequence[ChunkKey]) -> list[bool]:
+        if level == self.remote_level:
+            with self.unlocked():  # a remote tier asks its server
+                return self.tiers[level].pin_many(keys)
+        return self.tiers[level].pin_many(keys)
+
+    def pin(self, level: int, key: ChunkKey) -> bool:
+        if level == self.remote_level:
+            return self.pin_many(level, [key])[0]
+        return self.tiers[level].pin(key)
+
+    def unpin(self, level: int, key: ChunkKey) -> None:
+        self.tiers[level].unpin(key)
+
+    def drop(self, key: ChunkKey, level: int) -> None:
+        self.tiers[level].delete(key)  # DRAM: a free list; SSD: the unlink runs in the background
+
+    # -- moves --------------------------------------------------------------------------------
+    def _handler(self, src: int, dst: int) -> Handler:
+        return self.transfers.get(self.tiers[src].name, self.tiers[dst].name)
+
+    def copy(self, move: Move) -> Copied:
+        """The DRAM slot is handed to a lower tier as it lies (zero-copy for the SSD tier); a
+        chunk read from a lower tier lands straight in the destination's reservation; a chunk
+        for the remote tier is copied out and queued for upload."""
+        if move.dst == self.remote_level:
+            return self._upload(move)
+        if move.src == 0:
+            return self._write_down(move)
+        return self._read_up(move)
+
+    def _write_down(self, move: Move) -> Copied:
+        key, target = move.key, self.tiers[move.dst]
+        view = self.host.view(key)  # pinned by the placement for the move
+        seg = self.host.segment_of(key)
+        position = self._position_of(key)
+        try:
+            with self.unlocked():
+                if isinstance(target, DiskTier):
+                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, position=position)
+                else:
+                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg)
+        except (TierFullError, ValueError) as exc:  # room taken meanwhile; being written by another
+            log.info("copying chunk %s from host to %s failed: %s", key.hex(), target.name, exc)
+            return Copied.FAILED
+        return Copied.OK if stored else Copied.FAILED
+
+    def _reserve_up(self, key: ChunkKey, source: Tier, level: int) -> Reservation | Copied:
+        """A DRAM reservation for ``key`` coming up from ``source`` (under the lock), or the
+        outcome when there is none to make: another thread writes the chunk (waited for)."""
+        shape = self.entry_of(level, key)
+        if shape is None:
+            with self.unlocked():
+                n = source.entry_bytes(key)
+            if n is None:
+                return Copied.SOURCE_LOST
+            shape = Shape(n, n)
+        try:
+            return self.host.reserve(key, shape.nbytes, shape.segment_bytes)
+        except EntryExistsError:
+            return self._await_writer(key)
+        except (TierFullError, ValueError) as exc:
+            log.warning("copying chunk %s from %s to host failed: %s", key.hex(), source.name, exc)
+            return Copied.FAILED
+
+    def _await_writer(self, key: ChunkKey) -> Copied:
+        """Another thread is writing ``key`` into DRAM (a save, a promotion): wait for it."""
+        host = self.host
+        if self.changed is not None:
+            self.changed.wait_for(lambda: not host.reserving(key), timeout=WAIT_FOR_WRITER_S)
+        return Copied.PRESENT if host.contains(key) else Copied.FAILED
+
+    def _read_up(self, move: Move) -> Copied:
+        key, source = move.key, self.tiers[move.src]
+        res = self._reserve_up(key, source, move.src)
+        if isinstance(res, Copied):
+            return res
+        late: list[Future] = []
+        try:
+            with self.unlocked():
+                ok = self._handler(move.src, move.dst).run(source.get_into, key, res.buffer, late.append)
+        except BaseException:
+            self._release_all(late, self.host, [res])
+            self.notify()
+            raise
+        if late:  # a read given up on may still write the reservation: it is abandoned after
+            self._release_all(late, self.host, [res])
+            return Copied.SOURCE_LOST
+        stored = self.host.commit(res, ok=ok)
+        self.notify()
+        if not ok:
+            return Copied.SOURCE_LOST
+        return Copied.OK if stored else Copied.FAILED
+
+    def copy_many(self, moves: Sequence[Move]) -> list[Copied]:
+        """:meth:`copy` of each move; chunks read from a lower tier are read with one
+        ``get_many_into`` (one round trip to the remote tier) straight into the destination's
+        reservations."""
+        if len(moves) < 2 or moves[0].src == 0 or moves[0].dst != 0:
+            return [self.copy(move) for move in moves]
+        src = moves[0].src
+        source = self.tiers[src]
+        results = [Copied.FAILED] * len(moves)
+        held: list[tuple[int, Reservation]] = []
+        for i, move in enumerate(moves):
+            res = self._reserve_up(move.key, source, src)
+            if isinstance(res, Copied):
+                results[i] = res
+            else:
+                held.append((i, res))
+        if not held:
+            return results
+        late: list[Future] = []
+        try:
+            with self.unlocked():
+                oks = self._handler(src, 0).run(
+                    source.get_many_into, [moves[i].key for i, _ in held], [res.buffer for _, res in held],
+                    late.append)
+        except BaseException as exc:  # ValueError: an entry of another size
+            self._release_all(late, self.host, [res for _, res in held])
+            self.notify()
+            if not isinstance(exc, ValueError):
+                raise
+            if late:  # the source is down: nothing to retry now
+                return results
+            retry = {i for i, _ in held}  # one by one, each sized by its source
+            return [self.copy(m) if i in retry else results[i] for i, m in enumerate(moves)]
+        # reads given up on may still write the unread reservations: released once they end
+        self._release_all(late, self.host, [res for (_, res), ok in zip(held, oks, strict=True) if not ok])
+        for (i, res), ok in zip(held, oks, strict=True):
+            results[i] = (Copied.OK if self.host.commit(res, ok=True) else Copied.FAILED) if ok else Copied.SOURCE_LOST
+        self.notify()
+        return results
+
+    def _upload(self, move: Move) -> Copied:
+        key, source = move.key, self.tiers[move.src]
+        shape = self.entry_of(move.src, key)
+        seg = shape.segment_bytes if shape is not None else None
+        if move.src == 0:
+            view = self.host.view(key)
+            with self.unlocked():
+                data: torch.Tensor | None = view.clone()
+        else:
+            with self.unlocked():
+                data = self._handler(move.src, move.dst).run(source.get, key)
+        if data is None:
+            return Copied.SOURCE_LOST
+        return Copied.QUEUED if self.upload(key, data, seg=seg) else Copied.FAILED
+
+    def upload(self, key: ChunkKey, data: torch.Tensor, after: Callable[[], None] | None = None,
+               seg: int | None = None) -> bool:
+        """Queue ``data`` for the remote tier; ``after`` runs once the upload is over."""
+        assert self.uploader is not None
+        notify = self._uploaded
+
+        def done(ok: bool) -> None:
+            if after is not None:
+                after()
+            if notify is not None:
+                notify(key, ok)
+
+        return self.uploader.submit(key, data, done, seg)
+
+    # -- reads given up on --------------------------------------------------------------------
+    def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:
+        """Release ``reservations`` now, or, when reads given up on (``late``) may still write
+        them, once every one of those calls has ended (on a thread of its own: the calls may
+        end right here, under the store's lock)."""
+        if not late:
+            for res in reservations:
+                target.commit(res, ok=False)
+            return
+        lock, left = threading.Lock(), [len(late)]
+
+        def ended(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                threading.Thread(target=self._abandon, args=(target, reservations), daemon=True,
+                                 name="kvtier-late-abandon").start()
+
+        for future in late:
+            future.add_done_callback(ended)
+
+    def _abandon(self, target: Tier, reservations: list[Reservation]) -> None:
+        try:
+            if self._lock is None:
+                for res in reservations:
+                    target.commit(res, ok=False)
+                return
+            with self._lock:
+                for res in reservations:
+                    target.commit(res, ok=False)
+                self.notify()
+        except ValueError:  # the tier was closed meanwhile: nothing left to release
+            log.debug("late abandon of %d reservations: %s already closed", len(reservations), target.name)
+
+    def close(self) -> None:
+        self.transfers.close()
