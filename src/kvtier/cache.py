@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Self, TypeVar
@@ -565,6 +565,21 @@ class ChunkCache:
             self.host.unpin(key)
 
     # -- introspection ------------------------------------------------------------------------
+    def count(self, **deltas: int) -> None:
+        """Add to the store's counters (``lookup_tokens=...``), under the lock."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    def count_loaded(self, took: Iterable[tuple[str, int]], had: int = 0, failed: int = 0) -> None:
+        """What an engine reports it took: ``(tier found in, tokens)`` per chunk, the tokens it
+        already had, and the chunks it could not load."""
+        with self._lock:
+            for tier, tokens in took:
+                self.stats.loaded_tokens[tier] += tokens
+            self.stats.had_tokens += had
+            self.stats.engine_load_failures += failed
+
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
         with self._lock:

@@ -30,6 +30,7 @@ policies (``queued`` when it arrives, for the look-ahead policies and a prefetch
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Self
@@ -70,6 +71,7 @@ class KVStore:
         self._chunk = Shape(self.layout.chunk_bytes, self.layout.layer_bytes)
         self._namespaces: dict[str, Namespace] = {}
         self._layer_tokens: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
 
     # -- the cache's parts, for introspection -------------------------------------------------
     @property
@@ -162,9 +164,7 @@ class KVStore:
         c = self.layout.chunk_tokens
         hit = self.cache.lookup_keys(keys, use=self.cache.use_of(request))
         n = len(keys) * c if num_tokens is None else num_tokens
-        with self.cache._lock:
-            self.stats.lookup_tokens += n
-            self.stats.hit_tokens += len(hit) * c
+        self.cache.count(lookup_tokens=n, hit_tokens=len(hit) * c)
         return LookupResult(num_tokens=n, hit_tokens=len(hit) * c, keys=hit.keys,
                             tiers=[self.cache.tiers[lvl].name for lvl in hit.levels])
 
@@ -224,7 +224,7 @@ class KVStore:
             read_from.append(got[0])
             found_in.append(self.cache.tiers[got[1]].name)
         self.cache.touch(hit.keys[: len(read_from)], use=use)
-        with self.cache._lock:
+        with self._stats_lock:
             for name in found_in:  # in layer-tokens: a layer-by-layer load counts once
                 self._layer_tokens[name] += c * len(wanted)
         loaded_from = read_from
@@ -295,10 +295,7 @@ class KVStore:
             stored += bool(done)
             pending.append(done)
         self.cache.touch(keys, use=self.cache.use_of(request))
-        with self.cache._lock:
-            self.stats.dedup_chunks += present
-            self.stats.busy_chunks += busy
-            self.stats.dropped_chunks += dropped
+        self.cache.count(dedup_chunks=present, busy_chunks=busy, dropped_chunks=dropped)
         wait_all(pending)
         return SaveResult(stored=stored, present=present, dropped=dropped, busy=busy)
 
@@ -306,7 +303,7 @@ class KVStore:
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
         snap = self.cache.snapshot()
-        with self.cache._lock:
+        with self._stats_lock:
             snap["loaded_tokens"] = {k: v // self.layout.num_layers for k, v in self._layer_tokens.items()}
         return snap
 

@@ -12,9 +12,6 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvtier.engines.hf import model_fingerprint
-from kvtier.engines.vllm_connector import engine_model_id
-
 from ..daemon_process import DaemonProcess
 
 BLOCK = 32
@@ -26,14 +23,10 @@ class Daemon(DaemonProcess):
     def __init__(self, tmp: Path, model_dir: Path, host_chunks: int) -> None:
         config = tmp / "kvtier.toml"
         chunk_bytes = 2 * 2 * 2 * CHUNK * 32 * 4  # layers x (K,V) x kv heads x tokens x dim x fp32
-        config.write_text("\n".join([
-            f'socket = "{tmp / "kv.sock"}"',
-            f'model = "{engine_model_id(model_fingerprint(model_dir), "float32", BLOCK)}"',
-            "write_through = true",
-            "[layout]", "num_layers = 2", "num_kv_heads = 2", "head_dim = 32", 'dtype = "float32"',
-            f"chunk_tokens = {CHUNK}",
-            "[host]", f"capacity_bytes = {host_chunks * chunk_bytes}",
-            "[disk]", f'path = "{tmp / "ssd"}"', f"capacity_bytes = {1 << 28}",
+        config.write_text("\n".join([  # no model: the daemon serves whatever its clients name
+            f'socket = "{tmp / "kv.sock"}"', "write_through = true",
+            "[host]", f"capacity_bytes = {host_chunks * chunk_bytes}", f"extent_bytes = {chunk_bytes}",
+            "[disk]", f'path = "{tmp / "ssd"}"', 'capacity_bytes = "256MiB"',
         ]) + "\n")
         super().__init__(config, tmp / "kv.sock", tmp / "daemon.log")
 
@@ -55,7 +48,8 @@ def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False)
     if socket is not None:
         ktc = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
-            kv_role="kv_both", kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05},
+            kv_role="kv_both",
+            kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK},
         )
     return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=2048,
                block_size=BLOCK, seed=0, enable_prefix_caching=prefix_caching, kv_transfer_config=ktc)

@@ -37,7 +37,7 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
     ktc = {
         "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.engines.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": str(daemon.socket)},
+        "kv_connector_extra_config": {"socket": str(daemon.socket), "chunk_tokens": 64},
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = open(tmp_path / "vllm.log", "w")  # noqa: SIM115 - the server writes it until the test stops it

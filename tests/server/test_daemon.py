@@ -28,16 +28,18 @@ from ..daemon_process import KVTIER, DaemonProcess
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=16)
 C = LAYOUT.chunk_tokens
+MODEL = "tiny@test"
 
 
-def write_config(tmp: Path, host_chunks: int = 8, write_through: bool = True, port: int | None = None) -> Path:
+def write_config(tmp: Path, host_chunks: int = 8, write_through: bool = True, port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> Path:
     cfg = tmp / "kvtier.toml"
     lines = [
-        f'socket = "{tmp / "kv.sock"}"', 'model = "tiny@test"', f"write_through = {str(write_through).lower()}",
+        f'socket = "{tmp / "kv.sock"}"', f"write_through = {str(write_through).lower()}",
         *([f"metrics_port = {port}"] if port is not None else []),
-        "[layout]", "num_layers = 4", "num_kv_heads = 2", "head_dim = 32", 'dtype = "float32"', "chunk_tokens = 16",
-        "[host]", f"capacity_bytes = {host_chunks * LAYOUT.chunk_bytes}",
-        "[disk]", f'path = "{tmp / "ssd"}"', f"capacity_bytes = {1 << 26}",
+        "[host]", f"capacity_bytes = {host_chunks * LAYOUT.chunk_bytes}", f"extent_bytes = {LAYOUT.chunk_bytes}",
+        "[disk]", f'path = "{tmp / "ssd"}"', 'capacity_bytes = "64MiB"',
+        *extra,
     ]
     cfg.write_text("\n".join(lines) + "\n")
     return cfg
@@ -48,6 +50,11 @@ class Daemon(DaemonProcess):
         super().__init__(write_config(tmp, **kw), tmp / "kv.sock", tmp / "daemon.log")
         self.tmp = tmp
 
+    def client(self, **kw) -> StoreClient:
+        kw.setdefault("model", MODEL)
+        kw.setdefault("layout", LAYOUT)
+        return StoreClient(str(self.socket), **kw)
+
 
 @pytest.fixture
 def daemon(tmp_path):
@@ -56,8 +63,9 @@ def daemon(tmp_path):
     d.stop()
 
 
-def out_buffers(tokens: int):
-    return [tuple(torch.zeros(2, tokens, 32) for _ in range(2)) for _ in range(4)]
+def out_buffers(tokens: int, layout: KVLayout = LAYOUT):
+    shape = (layout.num_kv_heads, tokens, layout.head_dim)
+    return [tuple(torch.zeros(shape) for _ in range(2)) for _ in range(layout.num_layers)]
 
 
 def assert_loaded(out, kv, tokens: int) -> None:
@@ -71,7 +79,7 @@ CHILD_SAVE = textwrap.dedent("""
     from tests.conftest import make_kv
     from kvtier.core.layout import KVLayout
     layout = KVLayout(4, 2, 32, "float32", 16)
-    client = StoreClient(sys.argv[1])
+    client = StoreClient(sys.argv[1], model="tiny@test", layout=layout)
     res = client.save(list(range(int(sys.argv[2]))), make_kv(layout, int(sys.argv[2]), seed=7))
     print(res.stored, client.errors)
 """)
@@ -82,7 +90,7 @@ def test_a_chunk_saved_by_one_process_is_loaded_by_another_through_shared_memory
     child = subprocess.run([sys.executable, "-c", CHILD_SAVE, str(daemon.socket), str(n)],
                            capture_output=True, text=True, cwd=Path(__file__).parents[2], check=True)
     assert child.stdout.split() == ["5", "0"]
-    client = StoreClient(str(daemon.socket))
+    client = daemon.client()
     hit = client.lookup(list(range(n)))
     assert hit.hit_tokens == n
     out = out_buffers(n)
@@ -90,6 +98,7 @@ def test_a_chunk_saved_by_one_process_is_loaded_by_another_through_shared_memory
     assert_loaded(out, make_kv(LAYOUT, n, seed=7), n)
     stats = client.stats()
     assert stats["pinned_chunks"] == 0 and stats["tiers"]["host"]["hits"] == 5
+    assert stats["loaded_tokens"] == {"host": n}  # what the engine took, by tier
     # the same prefix from a second conversation is stored once
     assert client.save(list(range(n)) + [1] * C, make_kv(LAYOUT, n + C, seed=7)).present == 5
     client.close()
@@ -98,7 +107,7 @@ def test_a_chunk_saved_by_one_process_is_loaded_by_another_through_shared_memory
 def test_loads_and_saves_larger_than_dram_go_in_rounds_through_ssd(daemon):
     n = 12 * C  # DRAM holds 8 chunks
     kv = make_kv(LAYOUT, n, seed=3)
-    client = StoreClient(str(daemon.socket))
+    client = daemon.client()
     assert client.save(list(range(n)), kv).stored == 12
     hit = client.lookup(list(range(n)))
     assert hit.hit_tokens == n and "disk" in hit.tiers
@@ -110,34 +119,37 @@ def test_loads_and_saves_larger_than_dram_go_in_rounds_through_ssd(daemon):
 
 CHILD_DIE = textwrap.dedent("""
     import os, sys
+    from kvtier.core.layout import KVLayout
     from kvtier.server.client import StoreClient
-    client = StoreClient(sys.argv[1])
+    client = StoreClient(sys.argv[1], model="tiny@test", layout=KVLayout(4, 2, 32, "float32", 16))
     keys = client.keys_for(list(range(64)))
-    assert client._call("acquire", keys=keys[:2])["slots"]          # pins two chunks
-    assert client._call("reserve", keys=[b"x" * 16])["slots"][0] >= 0  # a write never committed
+    assert client.acquire(keys[:2]) is not None                     # pins two chunks
+    lease = client.reserve([b"x" * 16])
+    assert lease.views[0] is not None                               # a write never committed
+    lease.views[0].fill_(7)
     print("holding", flush=True)
     os.kill(os.getpid(), 9)
 """)
 
 
 def test_a_client_killed_mid_operation_leaves_no_pins_and_no_half_written_chunk(daemon):
-    client = StoreClient(str(daemon.socket))
+    client = daemon.client()
     client.save(list(range(4 * C)), make_kv(LAYOUT, 4 * C))
     proc = subprocess.run([sys.executable, "-c", CHILD_DIE, str(daemon.socket)], check=False,
                           capture_output=True, text=True, cwd=Path(__file__).parents[2])
-    assert proc.stdout.strip() == "holding" and proc.returncode == -9
+    assert proc.stdout.strip() == "holding" and proc.returncode == -9, proc.stderr
     deadline = time.monotonic() + 10
-    while (s := client.stats())["pinned_chunks"] or s["writes_in_flight"]:
-        assert time.monotonic() < deadline, s
+    while (s := client.stats())["pinned_chunks"] or s["writes_in_flight"] or s["orphaned_writes"]:
+        assert time.monotonic() < deadline, s  # the dead process's slot is freed (its pidfd)
         time.sleep(0.05)
     assert s["tiers"]["host"]["chunks"] == 4  # the abandoned write never became visible
-    assert client._call("lookup", keys=[b"x" * 16])["tiers"] == []
+    assert client.acquire([b"x" * 16]) is None
     client.close()
 
 
 def test_daemon_down_at_start_then_up_later(tmp_path, caplog):
     d = Daemon(tmp_path)
-    client = StoreClient(str(d.socket), retry_s=0.05)
+    client = d.client(retry_s=0.05)
     tokens = list(range(3 * C))
     assert client.lookup(tokens).hit_tokens == 0
     assert client.save(tokens, make_kv(LAYOUT, 3 * C)).stored == 0
@@ -156,11 +168,14 @@ def test_daemon_down_at_start_then_up_later(tmp_path, caplog):
 
 def test_a_daemon_killed_mid_run_costs_misses_and_its_ssd_chunks_survive_a_restart(tmp_path):
     d = Daemon(tmp_path).start()  # write-through: every chunk also on SSD
-    client = StoreClient(str(d.socket), retry_s=0.05)
+    client = d.client(retry_s=0.05)
     tokens = list(range(6 * C))
     kv = make_kv(LAYOUT, 6 * C, seed=11)
     try:
         assert client.save(tokens, kv).stored == 6
+        assert client.flush()  # the write-through copies are on SSD
+        arena = client.stats()["arena"]
+        assert os.path.exists(f"/dev/shm/{arena}")
         d.kill()
         assert client.lookup(tokens).hit_tokens == 0  # a miss, not an exception
         errors = client.errors
@@ -172,9 +187,8 @@ def test_a_daemon_killed_mid_run_costs_misses_and_its_ssd_chunks_survive_a_resta
         out = out_buffers(6 * C)
         assert client.load(hit, out).tokens == 6 * C
         assert_loaded(out, kv, 6 * C)
-        dead_arenas = [p for p in os.listdir("/dev/shm") if p.startswith("kvtier-")
-                       and not os.path.exists(f"/proc/{p.rsplit('-', 1)[-1]}")]
-        assert dead_arenas == []  # the killed daemon's arena was cleaned up
+        assert not os.path.exists(f"/dev/shm/{arena}")  # the killed daemon's arena was removed
+        assert client.stats()["arena"] != arena
     finally:
         client.close()
         d.stop()
@@ -188,35 +202,41 @@ def test_prometheus_metrics_over_http(tmp_path):
             assert time.monotonic() < deadline, "daemon did not report its metrics address"
             time.sleep(0.05)
         url = text.split("metrics on ", 1)[1].split()[0]
-        client = StoreClient(str(d.socket))
+        client = d.client()
         client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
-        client.lookup(list(range(2 * C)))
+        client.load(client.lookup(list(range(2 * C))), out_buffers(2 * C))
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'kvtier_hits_total{tier="host"} 2.0' in body
         assert 'kvtier_hit_ratio{tier="host"} 1.0' in body
+        assert f'kvtier_engine_tokens_total{{tier="host"}} {2 * C}.0' in body
         assert "kvtier_op_seconds_bucket" in body and 'op="commit"' in body
-        assert "kvtier_prefetches_total" in body and "kvtier_evictions_total" in body
+        assert "kvtier_prefetches_total 0.0" in body and "kvtier_evictions_total" in body
         client.close()
     finally:
         d.stop()
 
 
-def test_a_queued_request_is_prefetched_from_ssd_by_the_daemon(daemon):
-    n = 12 * C  # DRAM holds 8 chunks: the first ones go down to SSD
-    client = StoreClient(str(daemon.socket))
+def test_a_queued_request_is_prefetched_from_ssd_by_the_daemon(tmp_path):
+    daemon = Daemon(tmp_path, write_through=False).start()
+    n = 12 * C  # DRAM holds 8 chunks: the deepest of the first 8 go down to SSD to make room
+    client = daemon.client()
     client.save(list(range(n)), make_kv(LAYOUT, n, seed=3))
-    keys = client.keys_for(list(range(4 * C)))
-    assert client.lookup(list(range(4 * C))).tiers == ["disk"] * 4
-    assert client.queued("req-1", keys) == 4
+    keys = client.keys_for(list(range(8 * C)))
+    assert client.lookup(list(range(8 * C))).tiers == ["host"] * 4 + ["disk"] * 4
+    assert client.queued("req-1", keys, wait=True) == 4
     client.started("req-1")
-    assert client.lookup(list(range(4 * C))).tiers == ["host"] * 4
+    assert client.lookup(list(range(8 * C))).tiers == ["host"] * 8
+    stats = client.stats()
+    assert stats["prefetched"] == 4 and stats["promotions"] == 4
     assert client.errors == 0
     client.close()
+    daemon.stop()
 
 
 def test_store_stats_command(daemon):
-    client = StoreClient(str(daemon.socket))
+    client = daemon.client()
     client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
+    assert client.flush()
     client.close()
     runner = CliRunner()
     res = runner.invoke(main, ["store", "stats", "--socket", str(daemon.socket), "--json"])
@@ -234,23 +254,29 @@ def test_garbage_on_the_socket_drops_that_client_only(daemon):
     s.connect(str(daemon.socket))
     s.sendall(b"\xff\xff\xff\x7f" + b"junk")  # claims a 2 GiB message
     s.close()
-    client = StoreClient(str(daemon.socket))
+    client = daemon.client()
     assert client.save(list(range(C)), make_kv(LAYOUT, C)).stored == 1
     client.close()
 
 
 def test_bad_config_is_refused_with_a_clear_error(tmp_path):
-    base = {"socket": str(tmp_path / "s.sock"), "model": "m",
-            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
-            "host": {"capacity_bytes": 1 << 20}}
-    assert daemon_config(base).store.layout.num_layers == 2
+    base = {"socket": str(tmp_path / "s.sock"), "host": {"capacity_bytes": "1MiB"}}
+    assert daemon_config(base).cache.host.capacity_bytes == 1 << 20
     for bad, words in [
-        ({**base, "colour": "red"}, "unknown config key"),
+        ({**base, "colour": "red"}, "unknown key"),
         ({**base, "host": {"capacity_bytes": 1 << 20, "size": 3}}, r"unknown key\(s\) in \[host\]"),
         ({k: v for k, v in base.items() if k != "host"}, r"\[host\] is missing"),
         ({**base, "socket": str(tmp_path / "no" / "such" / "s.sock")}, "not a writable directory"),
-        ({**base, "layout": {"num_layers": 0, "num_kv_heads": 2, "head_dim": 32}}, "num_layers"),
-        ({**base, "model": ""}, "model"),
+        ({**base, "host": {"capacity_bytes": "lots"}}, "host.capacity_bytes must be a size"),
+        ({**base, "model": "m"}, "serves any model"),
+        ({**base, "write_through": "yes"}, "write_through must be true or false"),
+        ({**base, "disk": {"path": str(tmp_path / "d"), "capacity_bytes": "1GiB", "fsync": "no"}},
+         "disk.fsync must be true or false"),
+        ({**base, "metrics_port": 70000}, "metrics_port must be a TCP port"),
+        ({**base, "metrics_port": "9400"}, "metrics_port must be an integer"),
+        ({**base, "policy": "optimal"}, "offline bound"),
+        ({**base, "access": {"mode": "rw"}}, "octal mode"),
+        ({**base, "access": {"tenants": {"1001": "acme"}}}, "list of tenant names"),
     ]:
         with pytest.raises(ValueError, match=words):
             daemon_config(bad)
@@ -258,6 +284,8 @@ def test_bad_config_is_refused_with_a_clear_error(tmp_path):
     bad_toml.write_text("socket = \n")
     res = CliRunner().invoke(main, ["store", "serve", "--config", str(bad_toml)])
     assert res.exit_code == 1 and "not valid TOML" in res.output
+    res = CliRunner().invoke(main, ["store", "serve", "--model", "m@1", "--host-bytes", "1MiB"])
+    assert res.exit_code == 2 and "serves any model" in res.output
 
 
 def test_a_second_daemon_on_the_same_socket_is_refused(daemon):
@@ -267,27 +295,27 @@ def test_a_second_daemon_on_the_same_socket_is_refused(daemon):
 
 
 def test_the_remote_tier_is_configured_in_its_own_section(tmp_path):
-    base = {"socket": str(tmp_path / "s.sock"), "model": "m",
-            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
-            "host": {"capacity_bytes": 1 << 20}}
+    base = {"socket": str(tmp_path / "s.sock"), "host": {"capacity_bytes": 1 << 20}}
     cfg = daemon_config({**base, "remote": {
         "backend": "valkey", "write": "back",
-        "valkey": {"addresses": ["127.0.0.1:6390"], "capacity_bytes": 1 << 30, "password": "pw"}}})
-    remote = cfg.store.remote
+        "valkey": {"addresses": ["127.0.0.1:6390"], "capacity_bytes": "1GiB", "password": "pw"}}})
+    remote = cfg.cache.remote
     assert remote.write == "back" and remote.tier.addresses == ("127.0.0.1:6390",)
-    assert remote.tier.password == "pw"
+    assert remote.tier.password == "pw" and remote.tier.capacity_bytes == 1 << 30
     cfg = daemon_config({**base, "remote": {
         "backend": "mooncake", "mooncake": {"master_address": "127.0.0.1:50051", "capacity_bytes": 1 << 30}}})
-    assert cfg.store.remote.tier.master_address == "127.0.0.1:50051"
+    assert cfg.cache.remote.tier.master_address == "127.0.0.1:50051"
     for bad, words in [
         ({"backend": "redis"}, "backend must be 'valkey' or 'mooncake'"),
-        ({"backend": "valkey"}, r"\[valkey\] is missing"),
+        ({"backend": "valkey"}, r"\[remote.valkey\] is missing"),
         ({"backend": "valkey", "valkey": {"addresses": ["x"], "capacity_bytes": 1}}, "host:port"),
         ({"backend": "valkey", "colour": 1}, r"unknown key\(s\) in \[remote\]"),
         ({"backend": "valkey", "write": "never",
           "valkey": {"addresses": ["127.0.0.1:1"], "capacity_bytes": 1}}, "write must be"),
         ({"backend": "valkey", "valkey": {"addresses": ["127.0.0.1:1"], "capacity_bytes": 1,
                                           "ssl_ca_file": "/nope"}}, "ssl"),
+        ({"backend": "valkey", "valkey": {"addresses": ["127.0.0.1:1"], "capacity_bytes": 1,
+                                          "cluster": "false"}}, "remote.valkey.cluster must be true or false"),
     ]:
         with pytest.raises(ValueError, match=words):
             daemon_config({**base, "remote": bad})

@@ -65,8 +65,8 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvtier.engines.hf import kv_layout_for, model_fingerprint
-    from kvtier.engines.vllm_connector import engine_model_id
+    from kvtier.engines.hf import kv_layout_for
+    from kvtier.engines.vllm_chat import daemon_cache
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
     from kvtier.store import StoreConfig
     from kvtier.tiers.disk import DiskTierConfig
@@ -91,12 +91,11 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-ttft-") as work:
         store = StoreConfig(
-            model=engine_model_id(model_fingerprint(model_dir), "float32", config.block_size),
-            layout=layout, host=HostTierConfig(layout.bytes_for_tokens(2 * total) + (64 << 20)),
+            model="vllm-ttft", layout=layout, host=HostTierConfig(layout.bytes_for_tokens(2 * total) + (64 << 20)),
             disk=DiskTierConfig(os.path.join(work, "ssd"), layout.bytes_for_tokens(4 * total) + (64 << 20)),
             write_through=True,
         )
-        daemon_cfg = DaemonConfig(os.path.join(work, "kv.sock"), store)
+        daemon_cfg = DaemonConfig(os.path.join(work, "kv.sock"), daemon_cache(store))
         daemon = StoreDaemon(daemon_cfg).start()
         try:
             alone = llm(None)
@@ -107,7 +106,8 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
             ktc = KVTransferConfig(
                 kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"socket": daemon_cfg.socket_path, "retry_s": 0.01},
+                kv_connector_extra_config={"socket": daemon_cfg.socket_path, "retry_s": 0.01,
+                                           "chunk_tokens": config.chunk_tokens},
             )
             engine = llm(ktc)
             engine.generate([{"prompt_token_ids": history}], sp, use_tqdm=False)  # saves the history

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 
 import click
+
+from kvtier.core.sizes import parse_size
 
 
 class MiBList(click.ParamType):
@@ -40,10 +41,6 @@ def size_text(n: int) -> str:
     return str(n)
 
 
-_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
 class ByteSize(click.ParamType):
     """A byte count such as ``64GiB``, ``1.5TB`` or ``1048576``."""
 
@@ -51,10 +48,7 @@ class ByteSize(click.ParamType):
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None
                 ) -> int:
-        if isinstance(value, int):
-            return value
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        unit = m.group(2).upper() if m else ""
-        if m is None or unit not in _BYTE_UNITS:
+        try:
+            return parse_size(value)
+        except ValueError:
             self.fail(f"{value!r} is not a size like 64GiB, 500GB or 1048576", param, ctx)
-        return int(float(m.group(1)) * _BYTE_UNITS[unit])

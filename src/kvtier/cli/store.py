@@ -6,44 +6,54 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.cli.common import emit_json, size_text
+from kvtier.cli.common import ByteSize, emit_json, size_text
 
 
 @click.group()
 def store() -> None:
-    """The store daemon: one cache shared by several processes (vLLM instances, workers)."""
+    """The store daemon: one cache shared by several processes (vLLM instances, workers) of
+    any models."""
+
+
+def _gone(ctx: click.Context, param: click.Parameter, value: object) -> None:
+    if value:
+        raise click.UsageError(f"{param.opts[0]} is gone: the daemon serves any model, and each "
+                               "client (the vLLM connector, a transformers engine) names its own")
 
 
 @store.command("serve")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="TOML config file; flags override it.")
-@click.option("--socket", "socket_path", default=None, help="Unix socket to serve on.")
-@click.option("--model", default=None, help="Weights fingerprint (part of every key).")
-@click.option("--model-dir", default=None, type=click.Path(file_okay=False),
-              help="Derive fingerprint and KV layout from a local model directory.")
-@click.option("--host-bytes", type=click.IntRange(min=1), default=None, help="DRAM tier size.")
+@click.option("--socket", "socket_path", default=None,
+              help="Unix socket to serve on [default: $KVTIER_SOCKET, $XDG_RUNTIME_DIR/kvtier.sock "
+                   "or /tmp/kvtier-<uid>/kvtier.sock].")
+@click.option("--host-bytes", type=ByteSize(), default=None, help="DRAM tier size, e.g. 16GiB.")
 @click.option("--disk-path", default=None, help="SSD tier directory.")
-@click.option("--disk-bytes", type=click.IntRange(min=1), default=None, help="SSD tier size.")
+@click.option("--disk-bytes", type=ByteSize(), default=None, help="SSD tier size, e.g. 500GiB.")
+@click.option("--policy", default=None, help="Placement policy: lru, attentionstore, cost.")
+@click.option("--tenant", default=None, help="Tenant of clients that name none.")
 @click.option("--write-through/--no-write-through", default=None,
-              help="Write every saved chunk to SSD at once.")
-@click.option("--metrics-port", type=click.IntRange(min=0), default=None,
+              help="Also write every saved chunk to SSD (in the background).")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
-def store_serve(config_path: str | None, socket_path: str | None, model: str | None,
-                model_dir: str | None, host_bytes: int | None, disk_path: str | None,
-                disk_bytes: int | None, write_through: bool | None, metrics_port: int | None) -> None:
-    """Run the store daemon until interrupted."""
+@click.option("--model", hidden=True, callback=_gone, expose_value=False)
+@click.option("--model-dir", hidden=True, callback=_gone, expose_value=False)
+def store_serve(config_path: str | None, socket_path: str | None, host_bytes: int | None,
+                disk_path: str | None, disk_bytes: int | None, policy: str | None, tenant: str | None,
+                write_through: bool | None, metrics_port: int | None) -> None:
+    """Run the store daemon until interrupted (no model needed: clients name theirs)."""
     import logging
     import signal
 
     from kvtier.server.config import daemon_config, read_toml
-    from kvtier.server.daemon import StoreDaemon
+    from kvtier.server.service import StoreService
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         raw: dict[str, object] = read_toml(config_path) if config_path else {}
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    flags = {"socket": socket_path, "model": model, "model_dir": model_dir,
+    flags = {"socket": socket_path, "policy": policy, "tenant": tenant,
              "write_through": write_through, "metrics_port": metrics_port}
     raw.update({k: v for k, v in flags.items() if v is not None})
     if host_bytes is not None:
@@ -53,7 +63,7 @@ def store_serve(config_path: str | None, socket_path: str | None, model: str | N
                        **({"path": disk_path} if disk_path else {}),
                        **({"capacity_bytes": disk_bytes} if disk_bytes else {})}
     try:
-        daemon = StoreDaemon(daemon_config(raw))
+        service = StoreService(daemon_config(raw))
     except (ValueError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -61,45 +71,54 @@ def store_serve(config_path: str | None, socket_path: str | None, model: str | N
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    where = f"; metrics on http://{daemon.metrics_address[0]}:{daemon.metrics_address[1]}/metrics" \
-        if daemon.metrics_address else ""
-    click.echo(f"kvtier store serving {daemon.config.socket_path}{where}", err=True)
+    addr = service.metrics_address
+    where = f"; metrics on http://{addr[0]}:{addr[1]}/metrics" if addr else ""
+    assert service.daemon is not None
+    click.echo(f"kvtier store serving {service.daemon.config.socket_path}{where}", err=True)
     try:
-        daemon.serve_forever()
+        service.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        daemon.stop()
+        service.stop()
 
 
 @store.command("stats")
-@click.option("--socket", "socket_path", required=True, help="The daemon's Unix socket.")
+@click.option("--socket", "socket_path", default=None, help="The daemon's Unix socket.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw snapshot as JSON.")
-def store_stats(socket_path: str, as_json: bool) -> None:
-    """Capacity, use, hits and misses per tier of a running daemon."""
-    from kvtier.server.client import DaemonUnavailable, StoreClient
+def store_stats(socket_path: str | None, as_json: bool) -> None:
+    """Capacity, use, hits and what engines took, per tier, of a running daemon."""
+    from kvtier.errors import DaemonUnavailable
+    from kvtier.server.client import StoreClient
 
     client = StoreClient(socket_path)
     try:
         snap = client.stats()
     except DaemonUnavailable as exc:
-        raise click.ClickException(f"no kvtier daemon at {socket_path}: {exc}") from exc
+        raise click.ClickException(f"no kvtier daemon at {client.socket_path}: {exc}") from exc
     finally:
         client.close()
     if as_json:
         emit_json(snap)
         return
-    table = Table(title=f"kvtier store at {socket_path}")
-    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "hit ratio", "evictions",
-                "read", "written", "errors"):
+    took: dict[str, int] = snap.get("loaded_tokens", {})  # type: ignore[assignment]
+    table = Table(title=f"kvtier store at {client.socket_path}")
+    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "hit ratio", "tokens taken",
+                "evictions", "read", "written", "errors"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for name, t in snap["tiers"].items():  # type: ignore[union-attr]
         hits, misses = t["hits"], t["misses"]
         table.add_row(name, size_text(t["capacity_bytes"]), size_text(t["used_bytes"]), str(t["chunks"]),
                       str(hits), str(misses), f"{hits / (hits + misses):.1%}" if hits + misses else "-",
-                      str(t["evictions"]), size_text(t["io"]["bytes_read"]),
+                      str(took.get(name, 0)), str(t["evictions"]), size_text(t["io"]["bytes_read"]),
                       size_text(t["io"]["bytes_written"]), str(t["io"]["errors"]))
     console = Console()
     console.print(table)
-    console.print(f"clients {snap['clients']}, pinned chunks {snap['pinned_chunks']}, "
+    console.print(
+        f"lookups {snap['lookups']}: {snap['hit_tokens']} of {snap['lookup_tokens']} tokens found; "
+        f"engines took {sum(took.values())} and already had {snap.get('had_tokens', 0)}; "
+        f"engine load failures {snap.get('engine_load_failures', 0)}")
+    console.print(f"clients {snap['clients']} (refused {snap.get('refused_clients', 0)}), "
+                  f"pinned chunks {snap['pinned_chunks']}, writes in flight {snap['writes_in_flight']}, "
+                  f"orphaned {snap.get('orphaned_writes', 0)}; prefetched {snap.get('prefetched', 0)}, "
                   f"promotions {snap['promotions']}, demotions {snap['demotions']}")

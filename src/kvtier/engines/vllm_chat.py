@@ -5,6 +5,7 @@ connector per process). Same ``generate`` / ``wait_for_saves`` / ``close`` as HF
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import tempfile
@@ -14,12 +15,20 @@ from pathlib import Path
 
 import torch
 
-from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids, model_fingerprint
-from kvtier.engines.vllm_connector import engine_model_id
+from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids
+from kvtier.cache import CacheConfig
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store import StoreConfig
+from kvtier.tiers.base import round_up
 
 BLOCK = 32
+
+
+def daemon_cache(store: StoreConfig) -> CacheConfig:
+    """A daemon's cache with ``store``'s tiers and policy, its DRAM extents sized to the store's
+    chunks (a daemon serves any model; this one serves the store's)."""
+    host = dataclasses.replace(store.host, extent_bytes=round_up(store.layout.chunk_bytes))
+    return CacheConfig(host=host, disk=store.disk, policy=store.policy, write_through=store.write_through)
 
 
 class VLLMChat:
@@ -32,15 +41,13 @@ class VLLMChat:
         from vllm.config import KVTransferConfig
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-vllm-")
-        store = StoreConfig(
-            model=engine_model_id(model_fingerprint(model_dir), "float32", BLOCK), layout=store.layout,
-            host=store.host, disk=store.disk, policy=store.policy,
-        )
-        self.daemon = StoreDaemon(DaemonConfig(os.path.join(self._tmp.name, "kv.sock"), store)).start()
+        cache = daemon_cache(store)
+        self.daemon = StoreDaemon(DaemonConfig(os.path.join(self._tmp.name, "kv.sock"), cache)).start()
         ktc = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"socket": self.daemon.config.socket_path},
+            kv_connector_extra_config={"socket": self.daemon.config.socket_path,
+                                       "chunk_tokens": store.layout.chunk_tokens},
         )
         common = dict(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0,
                       max_model_len=max_model_len, block_size=BLOCK, enable_prefix_caching=False,

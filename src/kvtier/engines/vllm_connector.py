@@ -5,9 +5,12 @@
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/run/kvtier.sock"}}'
 
-with a store daemon running (``kvtier store serve``, see :func:`engine_model_id` for the
-``model`` it must be started with). Both halves of the connector -- the scheduler's, in vLLM's
-engine-core process, and the worker's, next to the model -- are clients of that daemon.
+with a store daemon running (``kvtier store serve``; it needs no model). Both halves of the
+connector -- the scheduler's, in vLLM's engine-core process, and the worker's, next to the model
+-- are clients of that daemon, and name the same namespace in their hello: the model's
+fingerprint (``kv_connector_extra_config.model_id`` overrides it), the KV layout vLLM's config
+implies, with ``chunk_tokens`` (extra config, default 256, rounded up to a multiple of vLLM's
+block size), and the page format (backend, dtype, block size).
 
 Scheduler side: ``get_num_new_matched_tokens`` looks the prompt up (all but its last token);
 ``on_new_request`` tells the daemon the request is queued (policies with a look-ahead window hear
@@ -15,15 +18,19 @@ of it, and its chunks on SSD are promoted to DRAM while it waits), and ``get_num
 that it is being scheduled; the metadata of each step tells the workers which chunks to load into which
 blocks, and which newly computed prompt chunks to save from which blocks.
 
-Worker side: ``start_load_kv`` pins the chunks in the daemon's shared arena and starts copying
-them, layer by layer, into vLLM's blocks on a background thread; ``wait_for_layer_load`` waits
-for just that layer. ``save_kv_layer`` copies each layer's finished pages into reserved slots as
-the forward pass produces them, and ``wait_for_save`` commits them.
+Worker side: ``start_load_kv`` pins the chunks in the daemon's shared arena (a read lease) and
+starts copying them, layer by layer, into vLLM's blocks on a background thread;
+``wait_for_layer_load`` waits for just that layer. ``wait_for_save`` releases the lease: if the
+daemon cannot confirm it was intact the whole time (the connection broke or timed out, the
+daemon restarted), every block copied under it is reported to vLLM as a load error, and vLLM
+discards that step's output for the request and recomputes the blocks. ``save_kv_layer`` copies
+each layer's finished pages into reserved slots (a write lease) as the forward pass produces
+them, and ``wait_for_save`` commits them.
 
 Pages are copied whole: vLLM's CPU backend keeps, per block and head, the block's K (transposed
 on the fp32 path) then its V, so a block is an opaque page whose meaning depends on the backend;
-the daemon's model id carries the backend, dtype and block size so pages of different layouts
-never mix. A daemon that is down, dies or restarts costs hits, never a request: lookups then
+the page format (backend, dtype, block size) is part of the namespace so pages of different
+layouts never mix. A daemon that is down, dies or restarts costs hits, never a request: lookups then
 miss, and blocks whose load fails are reported to vLLM to be recomputed.
 """
 
@@ -42,15 +49,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
 from kvtier.engines.hf import model_fingerprint
-from kvtier.server.client import DaemonUnavailable, StoreClient
+from kvtier.errors import DaemonUnavailable
+from kvtier.server.client import ReadLease, StoreClient, WriteLease
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CHUNK_TOKENS = 256
 
-def engine_model_id(fingerprint: str, dtype: str, block_size: int, device: str = "cpu") -> str:
-    """The ``model`` a daemon serving this connector must be started with."""
-    return f"{fingerprint}/vllm-{device}-{dtype}-bs{block_size}"
+
+def page_format(dtype: str, block_size: int, device: str = "cpu") -> str:
+    """What a vLLM page is, as part of the namespace: pages of other formats never match."""
+    return f"vllm-{device}-{dtype}-bs{block_size}"
+
+
+def vllm_layout(vllm_config, chunk_tokens: int) -> KVLayout:  # type: ignore[no-untyped-def]
+    """The KV layout of the model vLLM serves, in chunks of ``chunk_tokens``."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return KVLayout(num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+                    head_dim=mc.get_head_size(), dtype=str(mc.dtype).removeprefix("torch."),
+                    chunk_tokens=chunk_tokens)
 
 
 @dataclass
@@ -91,14 +110,20 @@ class KVTierConnector(KVConnectorBase_V1):
             log.info("kvtier: setting kv_load_failure_policy='recompute' (was %r)", cfg.kv_load_failure_policy)
             cfg.kv_load_failure_policy = "recompute"
         socket_path = cfg.get_from_extra_config("socket", None)
-        if not socket_path:
-            raise ValueError("KVTierConnector needs kv_connector_extra_config.socket (the daemon's socket)")
         self.block_size = vllm_config.cache_config.block_size
-        self.model_id = cfg.get_from_extra_config("model_id", None) or engine_model_id(
-            model_fingerprint(vllm_config.model_config.model),
-            str(vllm_config.model_config.dtype).removeprefix("torch."), self.block_size,
-        )
-        self.client = StoreClient(str(socket_path), retry_s=float(cfg.get_from_extra_config("retry_s", 1.0)))
+        chunk = int(cfg.get_from_extra_config("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+        chunk = -(-chunk // self.block_size) * self.block_size  # whole vLLM blocks
+        self.layout = vllm_layout(vllm_config, chunk)
+        self.model_id = cfg.get_from_extra_config("model_id", None) or model_fingerprint(
+            vllm_config.model_config.model)
+        self.page_format = page_format(self.layout.dtype, self.block_size)
+        retry_s = float(cfg.get_from_extra_config("retry_s", 1.0))
+
+        def client() -> StoreClient:
+            return StoreClient(str(socket_path) if socket_path else None, model=self.model_id,
+                               layout=self.layout, page_format=self.page_format, retry_s=retry_s)
+
+        self.client = client()
         self._role = role
         # scheduler state
         self._lookups: dict[str, tuple[list[ChunkKey], int]] = {}
@@ -106,30 +131,20 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads: list[ChunkTransfer] = []
         self._skip: set[str] = set()
         self._hints = ThreadPoolExecutor(1, "kvtier-hints")
-        self._hint_client = StoreClient(str(socket_path), retry_s=1.0)
+        self._hint_client = client()
         # worker state
         self._kv: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self._load_events: list[threading.Event] = []
         self._load_thread: threading.Thread | None = None
-        self._pinned: list[ChunkKey] = []
+        self._leases: list[tuple[ChunkTransfer, ReadLease]] = []
+        self._copy_failed = False
         self._failed_blocks: set[int] = set()
-        self._pending_saves: list[tuple[ChunkTransfer, list[torch.Tensor | None]]] = []
+        self._pending_saves: list[tuple[ChunkTransfer, WriteLease | None]] = []
 
     # -- geometry -------------------------------------------------------------------------------
-    def _chunk_tokens(self) -> int | None:
-        layout = self.client.layout
-        if layout is None:
-            return None
-        if self.client.model != self.model_id:
-            log.error("kvtier daemon serves model %r, this vLLM needs %r; start it with --model %s",
-                      self.client.model, self.model_id, self.model_id)
-            return None
-        if layout.chunk_tokens % self.block_size:
-            log.error("kvtier chunk of %d tokens is not a multiple of vLLM's block size %d; disabled",
-                      layout.chunk_tokens, self.block_size)
-            return None
-        return layout.chunk_tokens
+    def _chunk_tokens(self) -> int:
+        return self.layout.chunk_tokens
 
     # ==================================================================== scheduler side
     @staticmethod
@@ -152,6 +167,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._hint_client.queued(rid, self._hint_client.keys_for(prompt[:-1]))
             except DaemonUnavailable:
                 pass
+            except Exception:  # a hint must never take the scheduler down
+                log.exception("kvtier: queued hint failed")
 
         # The daemon's policies hear of the waiting request (AttentionStore's look-ahead window)
         # and its chunks move SSD -> DRAM while it waits in the queue.
@@ -159,10 +176,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         prompt = list(request.prompt_token_ids or [])
-        if self._skipped(request) or self._chunk_tokens() is None or len(prompt) < 2:
+        if self._skipped(request) or len(prompt) < 2:
             return 0, False
         self.client.started(str(request.request_id))
-        hit = self.client.lookup(prompt[:-1])  # one token must be left to compute
+        hit = self.client.lookup(prompt[:-1], request=str(request.request_id))  # one token must be left to compute
         self._lookups[request.request_id] = (hit.keys, num_computed_tokens)
         return max(0, hit.hit_tokens - num_computed_tokens), False
 
@@ -170,9 +187,9 @@ class KVTierConnector(KVConnectorBase_V1):
         keys, local = self._lookups.pop(request.request_id, ([], 0))
         if num_external_tokens <= 0:
             return
-        c = self._chunk_tokens() or 0
+        c = self._chunk_tokens()
         total = local + num_external_tokens
-        if not c or total > len(keys) * c:
+        if total > len(keys) * c:
             return
         block_ids = list(blocks.get_block_ids()[0])
         first = local // c
@@ -186,8 +203,6 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         c = self._chunk_tokens()
-        if c is None:
-            return meta
         for r in so.scheduled_new_reqs:
             if r.req_id in self._skip:
                 continue
@@ -211,6 +226,7 @@ class KVTierConnector(KVConnectorBase_V1):
         for req_id in so.finished_req_ids:
             self._requests.pop(req_id, None)
             self._skip.discard(req_id)
+            self._hints.submit(self._hint_client.finished, str(req_id))
         return meta
 
     def _plan_saves(self, meta: KVTierMetadata, req_id: str, done_tokens: int, c: int) -> None:
@@ -253,8 +269,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def _pages(self, chunk_bytes: torch.Tensor, layer: int) -> torch.Tensor:
         """One layer of one chunk as vLLM's tensor of that layer restricted to the chunk's
         blocks (in the chunk's order): same shape but ``blocks_per_chunk`` on the block dim."""
-        layout = self.client.layout
-        assert layout is not None
+        layout = self.layout
         kv = self._kv[layer]
         lo = layout.layer_offset(layer)
         shape = list(kv.shape)
@@ -262,15 +277,13 @@ class KVTierConnector(KVConnectorBase_V1):
         return chunk_bytes[lo : lo + layout.layer_bytes].view(kv.dtype).view(shape)
 
     def _check_geometry(self) -> bool:
-        layout = self.client.layout
-        if layout is None or self._chunk_tokens() is None:
-            return False
+        layout = self.layout
         kv = self._kv[0]
         page_bytes = kv.numel() // kv.shape[self._block_dim] * kv.element_size()
         ok = (len(self._kv) == layout.num_layers
               and page_bytes * (layout.chunk_tokens // self.block_size) == layout.layer_bytes)
         if not ok:
-            log.error("kvtier daemon layout %s does not match vLLM's KV cache %s x %d layers; disabled",
+            log.error("kvtier layout %s does not match vLLM's KV cache %s x %d layers; disabled",
                       layout, tuple(self._kv[0].shape), len(self._kv))
         return ok
 
@@ -278,15 +291,18 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._failed_blocks = set()
+        self._copy_failed = False
         if not meta.loads or not self._check_geometry():
             for load in meta.loads:  # nothing can be loaded: let vLLM recompute these blocks
                 self._failed_blocks.update(load.block_ids[load.skip_blocks :])
             return
         plan: list[tuple[ChunkTransfer, list[torch.Tensor]]] = []
-        per_chunk = self.client.layout.chunk_tokens // self.block_size  # type: ignore[union-attr]
+        per_chunk = self.layout.chunk_tokens // self.block_size
         for load in meta.loads:
-            views = self.client.acquire(load.keys)
-            self._pinned.extend(load.keys[: len(views)])
+            lease = self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id)
+            views = lease.views if lease is not None else []
+            if lease is not None:
+                self._leases.append((load, lease))
             plan.append((load, views))
             # chunks the daemon could not give (lost, or the daemon died) are recomputed by vLLM
             loaded = (load.first_chunk + len(views)) * per_chunk
@@ -298,7 +314,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _copy_in(self, plan: list[tuple[ChunkTransfer, list[torch.Tensor]]]) -> None:
         dim = self._block_dim
-        per_chunk = self.client.layout.chunk_tokens // self.block_size  # type: ignore[union-attr]
+        per_chunk = self.layout.chunk_tokens // self.block_size
         try:
             with torch.inference_mode():
                 for layer, kv in enumerate(self._kv):
@@ -314,6 +330,9 @@ class KVTierConnector(KVConnectorBase_V1):
                     if kv.is_cuda:  # the copies must land before the layer's attention runs
                         torch.cuda.synchronize(kv.device)
                     self._load_events[layer].set()
+        except BaseException:
+            self._copy_failed = True  # every block of this step's loads is reported failed
+            log.exception("kvtier: copying cached KV into vLLM's blocks failed")
         finally:
             for event in self._load_events:
                 event.set()
@@ -335,56 +354,71 @@ class KVTierConnector(KVConnectorBase_V1):
             self._pending_saves = []
             if self._check_geometry():
                 for save in meta.saves:
-                    self._pending_saves.append((save, self.client.reserve(save.keys)))
-        layout = self.client.layout
-        if layout is None:
-            return
-        per_chunk = layout.chunk_tokens // self.block_size
+                    lease = self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
+                    self._pending_saves.append((save, lease))
+        per_chunk = self.layout.chunk_tokens // self.block_size
         with torch.inference_mode():
-            for save, views in self._pending_saves:
-                for j, view in enumerate(views):
+            for save, lease in self._pending_saves:
+                if lease is None:
+                    continue
+                for j, view in enumerate(lease.views):
                     if view is None:
                         continue
                     base = (save.first_chunk + j) * per_chunk
                     idx = torch.tensor(save.block_ids[base : base + per_chunk], device=kv_layer.device)
                     self._pages(view, layer).copy_(kv_layer.index_select(self._block_dim, idx))
 
+    def _end_loads(self) -> None:
+        """Release this step's read leases; every block copied under a lease the daemon could
+        not confirm intact (or by a copy that failed) goes to vLLM as a load error."""
+        per_chunk = self.layout.chunk_tokens // self.block_size
+        c = self.layout.chunk_tokens
+        for load, lease in self._leases:
+            first_block = load.first_chunk * per_chunk
+            took = [c - max(0, min(per_chunk, load.skip_blocks - (first_block + j * per_chunk))) * self.block_size
+                    for j in range(len(lease.views))]
+            had = sum(c - t for t in took)
+            intact = self.client.release(lease, took=took, had=had,
+                                         failed=len(lease.views) if self._copy_failed else 0)
+            if not intact or self._copy_failed:
+                end = first_block + len(lease.views) * per_chunk
+                self._failed_blocks.update(load.block_ids[max(first_block, load.skip_blocks) : end])
+        self._leases = []
+
     def wait_for_save(self) -> None:
         if self._load_thread is not None:
             self._load_thread.join()
             self._load_thread = None
             self._load_events = []
-            self.client.release(self._pinned)
-            self._pinned = []
-        for save, views in self._pending_saves:
-            written = [k for k, v in zip(save.keys, views) if v is not None]
-            self.client.commit(written, ok=True)
-            if len(views) < len(save.keys):
-                self._save_rest(save, len(views))
+        self._end_loads()
+        for save, lease in self._pending_saves:
+            done = 0
+            if lease is not None:
+                self.client.commit(lease)
+                done = len(lease.views)
+            if done < len(save.keys):
+                self._save_rest(save, done)
         self._pending_saves = []
 
     def _save_rest(self, save: ChunkTransfer, done: int) -> None:
         """Chunks that found no DRAM slot at the first layer: now that the first ones are
         committed (and can be demoted), save the rest in rounds, all layers at once. vLLM's
         blocks still hold them until the step ends."""
-        layout = self.client.layout
-        if layout is None:
-            return
-        per_chunk = layout.chunk_tokens // self.block_size
+        per_chunk = self.layout.chunk_tokens // self.block_size
         with torch.inference_mode():
             while done < len(save.keys):
-                views = self.client.reserve(save.keys[done:])
-                if not views:
+                lease = self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id)
+                if lease is None:
                     return
-                for j, view in enumerate(views):
+                for j, view in enumerate(lease.views):
                     if view is None:
                         continue
                     base = (save.first_chunk + done + j) * per_chunk
                     idx = torch.tensor(save.block_ids[base : base + per_chunk], device=self._kv[0].device)
                     for layer, kv in enumerate(self._kv):
                         self._pages(view, layer).copy_(kv.index_select(self._block_dim, idx))
-                self.client.commit([k for k, v in zip(save.keys[done:], views) if v is not None])
-                done += len(views)
+                self.client.commit(lease)
+                done += len(lease.views)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

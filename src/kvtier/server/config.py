@@ -1,51 +1,73 @@
 """The daemon's configuration file (TOML) and how command-line flags override it.
 
-    socket = "/run/kvtier/kvtier.sock"
-    model = "llama-3-8b@rev"          # or model_dir = "/models/llama" (fingerprint + layout)
+    socket = "/run/kvtier/kvtier.sock"   # default: $KVTIER_SOCKET, $XDG_RUNTIME_DIR/kvtier.sock,
+                                         # or /tmp/kvtier-<uid>/kvtier.sock
     policy = "lru"
+    tenant = ""                          # the tenant of clients that name none
     write_through = false
     metrics_port = 9400
-    [layout]                          # not needed with model_dir
-    num_layers = 32
-    num_kv_heads = 8
-    head_dim = 128
-    dtype = "bfloat16"
-    chunk_tokens = 256
     [host]
-    capacity_bytes = 17179869184
-    [disk]                            # optional
+    capacity_bytes = "16GiB"             # sizes: an integer, or "16GiB", "500GB", "1.5T"
+    extent_bytes = "256MiB"              # optional: DRAM moves between chunk sizes in these
+    [disk]                               # optional
     path = "/nvme/kvtier"
-    capacity_bytes = 536870912000
+    capacity_bytes = "500GiB"
     fsync = false
     o_direct = true
-    [remote]                          # optional: the shared tier below SSD
-    backend = "valkey"                # or "mooncake"
-    write = "through"                 # or "back"
+    mode = "0600"                        # chunk files; directories get search permission too
+    group = "inference"                  # optional: a group name or id
+    [access]                             # optional
+    mode = "0660"                        # socket and arena
+    group = "inference"
+    max_clients = 1024
+    orphan_grace_s = 600
+    [access.tenants]                     # optional: uid -> tenants it may use ("*": any other uid)
+    "1001" = ["acme"]
+    "*" = [""]
+    [remote]                             # optional: the shared tier below SSD
+    backend = "valkey"                   # or "mooncake"
+    write = "through"                    # or "back"
     max_queued = 256
-    [remote.valkey]                   # every field of ValkeyTierConfig
+    [remote.valkey]                      # every field of ValkeyTierConfig
     addresses = ["10.0.0.5:6379"]
-    capacity_bytes = 1099511627776
-    cluster = false
-    password = "secret"               # and username, ssl, ssl_ca_file, ssl_cert_file, ssl_key_file
-    [remote.mooncake]                 # every field of MooncakeTierConfig (with backend = "mooncake")
+    capacity_bytes = "1TiB"
+    [remote.mooncake]                    # every field of MooncakeTierConfig (backend = "mooncake")
     master_address = "10.0.0.6:50051"
-    capacity_bytes = 1099511627776
+    capacity_bytes = "1TiB"
+
+Every value is type-checked: a quoted boolean (``fsync = "no"``), a number where a name is
+expected, a misspelt key are errors naming the key. The daemon serves any model, so there is no
+``model`` or ``[layout]``: each client names its own in its hello.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import grp
+import math
 import tomllib
 from collections.abc import Mapping
 
-from kvtier.core.layout import KVLayout
-from kvtier.server.daemon import DaemonConfig
-from kvtier.store import RemoteConfig, StoreConfig
+from kvtier.cache import CacheConfig
+from kvtier.core.sizes import parse_size
+from kvtier.errors import ConfigError
+from kvtier.server.daemon import AccessConfig, DaemonConfig
+from kvtier.server.runtime import default_socket_path, ensure_socket_dir
+from kvtier.store_types import RemoteConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 
-_TOP = {"socket", "model", "model_dir", "policy", "write_through", "metrics_port", "tenant",
-        "layout", "host", "disk", "remote"}
-_REMOTE = {"backend", "write", "max_queued", "valkey", "mooncake"}
+_TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "bool",
+        "metrics_port": "int", "host": "table", "disk": "table", "remote": "table", "access": "table"}
+_HOST = {"capacity_bytes": "bytes", "extent_bytes": "bytes", "pin_memory": "bool"}
+_DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": "bool",
+         "mode": "mode", "group": "group"}
+_ACCESS = {"mode": "mode", "group": "group", "max_clients": "int", "orphan_grace_s": "seconds",
+           "tenants": "table"}
+_REMOTE = {"backend": "str", "write": "str", "max_queued": "int", "valkey": "table", "mooncake": "table"}
+_GONE = {"model": "the daemon serves any model: clients name theirs in their hello",
+         "model_dir": "the daemon serves any model: clients name theirs in their hello",
+         "layout": "the daemon serves any layout: clients name theirs in their hello"}
 
 
 def read_toml(path: str) -> dict[str, object]:
@@ -53,82 +75,154 @@ def read_toml(path: str) -> dict[str, object]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as exc:
-        raise ValueError(f"cannot read config {path}: {exc}") from exc
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config {path} is not valid TOML: {exc}") from exc
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
 
 
-def _section(raw: Mapping[str, object], name: str, cls: type, allowed: set[str]) -> object:
-    data = raw.get(name)
-    if not isinstance(data, Mapping):
-        raise ValueError(f"config section [{name}] is missing or not a table")
-    unknown = set(data) - allowed
+def _value(where: str, kind: str, value: object) -> object:
+    """``value`` of config key ``where`` as ``kind`` wants it, or ConfigError naming the key."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"config key {where} must be {what}, got {value!r}")
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false (unquoted)")
+        return value
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad("an integer")
+        return value
+    if kind == "seconds":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise bad("a number of seconds")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if kind == "bytes":
+        try:
+            return parse_size(value, f"config key {where}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if kind == "mode":
+        if isinstance(value, str) and value and all(c in "01234567" for c in value.removeprefix("0o")):
+            return int(value.removeprefix("0o"), 8)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad('an octal mode like "0600" or "0660"')
+    if kind == "group":
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        if isinstance(value, str) and value:
+            if value.isdigit():
+                return int(value)
+            try:
+                return grp.getgrnam(value).gr_gid
+            except KeyError:
+                raise ConfigError(f"config key {where}: no group named {value!r}") from None
+        raise bad("a group name or id")
+    if kind == "table":
+        if not isinstance(value, Mapping):
+            raise bad("a table")
+        return value
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _section(raw: Mapping[str, object], where: str, schema: Mapping[str, str]) -> dict[str, object]:
+    unknown = set(raw) - set(schema)
     if unknown:
-        raise ValueError(f"unknown key(s) in [{name}]: {sorted(unknown)}; allowed: {sorted(allowed)}")
+        hint = "; ".join(f"{k}: {_GONE[k]}" for k in sorted(unknown) if k in _GONE)
+        raise ConfigError(f"unknown key(s) in {where}: {sorted(unknown)}; allowed: {sorted(schema)}"
+                          + (f" ({hint})" if hint else ""))
+    prefix = f"{where.strip('[]')}." if where != "the config" else ""
+    return {k: _value(prefix + k, schema[k], v) for k, v in raw.items()}
+
+
+def _build(cls: type, where: str, kwargs: Mapping[str, object]) -> object:
     try:
-        return cls(**data)
+        return cls(**kwargs)
     except TypeError as exc:
-        raise ValueError(f"config section [{name}]: {exc}") from exc
+        raise ConfigError(f"config section [{where}]: {exc}") from exc
 
 
-def _remote(data: object) -> RemoteConfig:
-    if not isinstance(data, Mapping):
-        raise ValueError("config section [remote] is not a table")
-    unknown = set(data) - _REMOTE
-    if unknown:
-        raise ValueError(f"unknown key(s) in [remote]: {sorted(unknown)}; allowed: {sorted(_REMOTE)}")
+def _annotation_kind(name: str, annotation: str) -> str | None:
+    """The kind to check a remote tier's field as, from its dataclass annotation."""
+    ann = annotation.replace(" ", "")
+    if name.endswith("_bytes") and ann.startswith("int"):
+        return "bytes"
+    base = ann.split("|")[0]
+    return {"bool": "bool", "int": "int", "float": "seconds", "str": "str"}.get(base)
+
+
+def _remote(data: Mapping[str, object]) -> RemoteConfig:
+    data = _section(data, "[remote]", _REMOTE)
     backend = data.get("backend")
     if backend == "valkey":
         from kvtier.tiers.valkey import ValkeyTierConfig as cls
     elif backend == "mooncake":
         from kvtier.tiers.mooncake import MooncakeTierConfig as cls  # type: ignore[assignment]
     else:
-        raise ValueError(f"[remote] backend must be 'valkey' or 'mooncake', got {backend!r}")
+        raise ConfigError(f"[remote] backend must be 'valkey' or 'mooncake', got {backend!r}")
     sub = data.get(backend)
-    if isinstance(sub, Mapping):  # TOML arrays are lists; the configs are frozen: tuples
-        sub = {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
-    section = _section({backend: sub}, backend, cls, set(cls.__dataclass_fields__))
+    if not isinstance(sub, Mapping):
+        raise ConfigError(f"config section [remote.{backend}] is missing or not a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(sub) - set(fields)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [remote.{backend}]: {sorted(unknown)}; allowed: {sorted(fields)}")
+    kwargs: dict[str, object] = {}
+    for k, v in sub.items():
+        kind = _annotation_kind(k, str(fields[k].type))
+        if isinstance(v, list):  # TOML arrays are lists; the configs are frozen: tuples
+            if not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"config key remote.{backend}.{k} must be a list of strings")
+            kwargs[k] = tuple(v)
+        else:
+            kwargs[k] = _value(f"remote.{backend}.{k}", kind, v) if kind else v
+    tier = _build(cls, f"remote.{backend}", kwargs)
     try:
-        return RemoteConfig(section, write=str(data.get("write", "through")),
+        return RemoteConfig(tier, write=str(data.get("write", "through")),
                             max_queued=int(data.get("max_queued", 256)))  # type: ignore[call-overload]
     except TypeError as exc:
-        raise ValueError(f"config section [remote]: {exc}") from exc
+        raise ConfigError(f"config section [remote]: {exc}") from exc
+
+
+def _access(data: Mapping[str, object]) -> AccessConfig:
+    data = _section(data, "[access]", _ACCESS)
+    tenants = data.pop("tenants", None)
+    if tenants is not None:
+        parsed: dict[str, tuple[str, ...]] = {}
+        for uid, names in tenants.items():  # type: ignore[union-attr]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"config key access.tenants.{uid} must be a list of tenant names")
+            parsed[str(uid)] = tuple(names)
+        data["tenants"] = parsed
+    return _build(AccessConfig, "access", data)  # type: ignore[return-value]
 
 
 def daemon_config(raw: Mapping[str, object]) -> DaemonConfig:
     """Build and validate a DaemonConfig from a parsed config (file merged with flags)."""
-    unknown = set(raw) - _TOP
-    if unknown:
-        raise ValueError(f"unknown config key(s): {sorted(unknown)}; allowed: {sorted(_TOP)}")
-    if not raw.get("socket"):
-        raise ValueError("config needs 'socket' (the Unix socket path)")
-    model = raw.get("model")
-    layout: KVLayout
-    if raw.get("model_dir"):
-        from transformers import AutoConfig
-
-        from kvtier.engines.hf import kv_layout_for, model_fingerprint
-
-        model_dir = str(raw["model_dir"])
-        lay = raw.get("layout") if isinstance(raw.get("layout"), Mapping) else {}
-        layout = kv_layout_for(AutoConfig.from_pretrained(model_dir),
-                               int(lay.get("chunk_tokens", 256)), str(lay.get("dtype", "float32")))  # type: ignore[union-attr]
-        model = model or model_fingerprint(model_dir)
-    else:
-        layout = _section(raw, "layout", KVLayout,  # type: ignore[assignment]
-                          {"num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "kv"})
-    if not model:
-        raise ValueError("config needs 'model' (a weights fingerprint) or 'model_dir'")
-    host = _section(raw, "host", HostTierConfig, {"capacity_bytes", "pin_memory"})
-    disk = None
-    if raw.get("disk") is not None:
-        disk = _section(raw, "disk", DiskTierConfig, {"path", "capacity_bytes", "fsync", "o_direct"})
-    remote = _remote(raw["remote"]) if raw.get("remote") is not None else None
-    store = StoreConfig(
-        model=str(model), layout=layout, host=host, disk=disk, remote=remote,  # type: ignore[arg-type]
-        policy=str(raw.get("policy", "lru")), tenant=str(raw.get("tenant", "")),
-        write_through=bool(raw.get("write_through", False)),
-    )
-    port = raw.get("metrics_port")
-    return DaemonConfig(socket_path=str(raw["socket"]), store=store,
-                        metrics_port=None if port is None else int(port))  # type: ignore[call-overload]
+    top = _section(raw, "the config", _TOP)
+    if top.get("host") is None:
+        raise ConfigError("config section [host] is missing (the DRAM tier: capacity_bytes)")
+    try:
+        host = _build(HostTierConfig, "host", _section(top["host"], "[host]", _HOST))  # type: ignore[arg-type]
+        disk = None
+        if top.get("disk") is not None:
+            disk = _build(DiskTierConfig, "disk", _section(top["disk"], "[disk]", _DISK))  # type: ignore[arg-type]
+        remote = _remote(top["remote"]) if top.get("remote") is not None else None  # type: ignore[arg-type]
+        access = _access(top["access"]) if top.get("access") is not None else AccessConfig()  # type: ignore[arg-type]
+        cache = CacheConfig(host=host, disk=disk, remote=remote,  # type: ignore[arg-type]
+                            policy=str(top.get("policy", "lru")),
+                            write_through=bool(top.get("write_through", False)))
+        socket_path = str(top.get("socket") or default_socket_path())
+        ensure_socket_dir(socket_path)
+        port = top.get("metrics_port")
+        return DaemonConfig(socket_path=socket_path, cache=cache, tenant=str(top.get("tenant", "")),
+                            metrics_port=port, access=access)  # type: ignore[arg-type]
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc

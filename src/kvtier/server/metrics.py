@@ -1,30 +1,30 @@
-"""Prometheus metrics of the store daemon, read from the store's own counters at scrape time.
+"""Prometheus metrics of the store daemon, read from a snapshot of its counters at scrape time.
 
-Own registry (never the process-global one), served on loopback by ``prometheus_client``.
+Own registry (never the process-global one), served on loopback by ``prometheus_client``. It
+knows nothing of the daemon: it is handed a function that returns the daemon's snapshot
+(:mod:`kvtier.server.service` wires the two).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvtier.server.daemon import StoreDaemon
+Snapshot = Callable[[], dict[str, object]]
 
 
 class _StoreCollector(Collector):
-    def __init__(self, daemon: StoreDaemon) -> None:
-        self._daemon = daemon
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._daemon.snapshot()
+        snap = self._snapshot()
         tiers: dict[str, dict[str, object]] = snap["tiers"]  # type: ignore[assignment]
         fams = {
-            "hits": CounterMetricFamily("kvtier_hits", "Looked-up chunks served by the tier", labels=["tier"]),
+            "hits": CounterMetricFamily("kvtier_hits", "Looked-up chunks found in the tier (offered to engines)", labels=["tier"]),
             "misses": CounterMetricFamily("kvtier_misses", "Looked-up chunks the tier did not serve", labels=["tier"]),
             "evictions": CounterMetricFamily("kvtier_evictions", "Chunks evicted from the tier", labels=["tier"]),
             "bytes_read": CounterMetricFamily("kvtier_bytes_read", "Bytes read from the tier", labels=["tier"]),
@@ -50,19 +50,39 @@ class _StoreCollector(Collector):
             chunks.add_metric([name], int(t["chunks"]))  # type: ignore[call-overload]
         yield from fams.values()
         yield from (ratio, cap, used, chunks)
-        yield CounterMetricFamily("kvtier_prefetches", "Chunks promoted SSD->DRAM", value=int(snap["promotions"]))  # type: ignore[call-overload]
-        yield CounterMetricFamily("kvtier_demotions", "Chunks demoted DRAM->SSD", value=int(snap["demotions"]))  # type: ignore[call-overload]
-        yield CounterMetricFamily("kvtier_load_failures", "Promised chunks that could not be read", value=int(snap["load_failures"]))  # type: ignore[call-overload]
-        yield GaugeMetricFamily("kvtier_clients", "Connected clients", value=int(snap["clients"]))  # type: ignore[call-overload]
-        yield GaugeMetricFamily("kvtier_pinned_chunks", "Chunks pinned by clients", value=int(snap["pinned_chunks"]))  # type: ignore[call-overload]
+        took = CounterMetricFamily("kvtier_engine_tokens", "Tokens engines took from kvtier, by the tier they were found in", labels=["tier"])
+        for name, n in dict(snap.get("loaded_tokens", {})).items():  # type: ignore[call-overload]
+            took.add_metric([name], int(n))
+        yield took
+
+        def count(name: str, doc: str, key: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=int(snap.get(key, 0)))  # type: ignore[call-overload]
+
+        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=int(snap.get(key, 0)))  # type: ignore[call-overload]
+
+        yield count("kvtier_engine_had_tokens", "Tokens engines already held themselves when they looked up", "had_tokens")
+        yield count("kvtier_engine_load_failures", "Chunks engines reported they could not load (recomputed)", "engine_load_failures")
+        yield count("kvtier_lookup_tokens", "Tokens looked up", "lookup_tokens")
+        yield count("kvtier_hit_tokens", "Tokens lookups found cached", "hit_tokens")
+        yield count("kvtier_prefetches", "Chunks promoted into DRAM by prefetches (scheduler hints)", "prefetched")
+        yield count("kvtier_promotions", "Chunks promoted into DRAM (prefetches and loads)", "promotions")
+        yield count("kvtier_demotions", "Chunks demoted DRAM->SSD", "demotions")
+        yield count("kvtier_load_failures", "Promised chunks no tier could read", "load_failures")
+        yield count("kvtier_busy_chunks", "Chunks not written because another writer was writing them", "busy_chunks")
+        yield count("kvtier_refused_clients", "Connections refused (too many clients)", "refused_clients")
+        yield gauge("kvtier_clients", "Connected clients", "clients")
+        yield gauge("kvtier_pinned_chunks", "Chunks pinned by clients' read leases", "pinned_chunks")
+        yield gauge("kvtier_writes_in_flight", "DRAM slots reserved by clients' write leases", "writes_in_flight")
+        yield gauge("kvtier_orphaned_writes", "DRAM slots of write leases whose connection ended, held until nothing can write them", "orphaned_writes")
 
 
 class Metrics:
     """The daemon's registry: store counters plus per-operation latency."""
 
-    def __init__(self, daemon: StoreDaemon) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(daemon))
+        self.registry.register(_StoreCollector(snapshot))
         self.latency = Histogram(
             "kvtier_op_seconds", "Daemon operation latency (acquire = load, commit = save)",
             ["op"], registry=self.registry,
@@ -74,7 +94,12 @@ class Metrics:
         self.latency.labels(op=op).observe(seconds)
 
     def serve(self, host: str, port: int) -> tuple[str, int]:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve on ``host:port``; ValueError (before anything else is started) if the port
+        cannot be bound."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except (OSError, OverflowError) as exc:
+            raise ValueError(f"cannot serve metrics on {host}:{port}: {exc}") from None
         self._server = server
         return host, server.server_address[1]
 
@@ -83,3 +108,6 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+__all__ = ["Metrics"]

@@ -1,30 +1,51 @@
 """Wire format between the store daemon and its clients: length-prefixed msgpack maps.
 
 Control only: chunk bytes never cross the socket; they are read and written in the shared DRAM
-arena at the slots the daemon hands out.
+arena at the byte offsets the daemon hands out.
 
 Requests are ``{"op": NAME, ...}``; replies are ``{"ok": True, ...}`` or
-``{"ok": False, "error": MESSAGE}``. Keys travel as 16-byte binary strings.
+``{"ok": False, "error": MESSAGE}`` (with ``"lost": True`` when the request named a lease the
+daemon has ended, ``"refused": True`` when the daemon will not serve this client at all). Keys
+travel as 16-byte binary strings.
+
+Every size and count on the wire is bounded (:data:`MAX_MESSAGE`, :data:`MAX_KEYS`,
+:data:`MAX_NAME`, :data:`MAX_TOKENS`); :func:`field` and friends check a request's fields and
+raise :class:`BadRequest` naming the field, which the daemon answers as an error.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 
 import msgpack
 
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+
 HEADER = struct.Struct("<I")
-MAX_MESSAGE = 64 << 20
-VERSION = 1
+MAX_MESSAGE = 8 << 20
+VERSION = 2
+MAX_KEYS = 1 << 16
+"""Chunks one request may name (16M tokens of 256-token chunks)."""
+MAX_NAME = 512
+"""Bytes of a model id, tenant, page format or request id."""
+MAX_TOKENS = 1 << 40
+MAX_LEASE = (1 << 63) - 1
 
 
 class ProtocolError(Exception):
     """The peer sent something that is not a valid message."""
 
 
+class BadRequest(ValueError):
+    """A request's field is missing, of the wrong type or out of bounds."""
+
+
 def send(sock: socket.socket, message: dict[str, object]) -> None:
     data = msgpack.packb(message, use_bin_type=True)
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE}")
     sock.sendall(HEADER.pack(len(data)) + data)
 
 
@@ -50,9 +71,54 @@ def recv(sock: socket.socket) -> dict[str, object] | None:
     if body is None:
         return None
     try:
-        message = msgpack.unpackb(body, raw=False)
+        message = msgpack.unpackb(body, raw=False, max_bin_len=MAX_MESSAGE, max_str_len=MAX_MESSAGE,
+                                  max_array_len=MAX_KEYS + 16, max_map_len=64, strict_map_key=True)
     except Exception as exc:
         raise ProtocolError(f"undecodable message: {exc}") from exc
     if not isinstance(message, dict):
         raise ProtocolError("a message must be a map")
     return message
+
+
+# -- request fields -----------------------------------------------------------------------------
+def integer(req: dict[str, object], name: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = req.get(name, default)
+    if value is None:
+        raise BadRequest(f"{name} is missing")
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def text(req: dict[str, object], name: str, default: str | None = None) -> str | None:
+    value = req.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.encode()) > MAX_NAME:
+        raise BadRequest(f"{name} must be a string of at most {MAX_NAME} bytes")
+    return value
+
+
+def keys(req: dict[str, object], name: str = "keys") -> list[ChunkKey]:
+    value = req.get(name, [])
+    if not isinstance(value, list) or len(value) > MAX_KEYS:
+        raise BadRequest(f"{name} must be a list of at most {MAX_KEYS} keys")
+    for k in value:
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            raise BadRequest(f"{name}: a chunk key is {KEY_BYTES} bytes, got {k!r:.40}")
+    return [ChunkKey(k) for k in value]
+
+
+def integers(req: dict[str, object], name: str, lo: int, hi: int, limit: int = MAX_KEYS) -> list[int]:
+    value = req.get(name, [])
+    if not isinstance(value, list) or len(value) > limit:
+        raise BadRequest(f"{name} must be a list of at most {limit} integers")
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise BadRequest(f"{name}: every value must be an integer in [{lo}, {hi}], got {v!r:.40}")
+    return list(value)  # type: ignore[arg-type]
+
+
+def within(values: Sequence[int], n: int, name: str) -> None:
+    if any(v >= n for v in values):
+        raise BadRequest(f"{name} names an index beyond the {n} chunks of the lease")

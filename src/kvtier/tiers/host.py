@@ -6,10 +6,11 @@ zero-copy torch tensor over a pinned entry's slot.
 
 Slot sizes. A store of one model (``slot_bytes`` given) carves the whole arena into slots of
 that size. A store daemon serving any model (``slot_bytes`` None) hands memory to each entry
-size an *extent* at a time: the arena is cut into extents of ``extent_bytes``, an extent holds
-slots of one size, and an extent whose slots are all free goes back to the pool for any size.
-To make room for a size that has no free slot, the store evicts a whole extent of another size
-(:meth:`HostTier.region_keys`).
+size an *extent* at a time: the arena is cut into extents of ``extent_bytes``; an extent holds
+slots of one size no larger than it, and goes back to the pool for any size once they are all
+free; a slot larger than an extent takes a run of whole contiguous extents of its own. To make
+room for a size that has no free slot, the store evicts the region (extent, or run) holding the
+policy's victim (:meth:`HostTier.region_keys`).
 
 The arena is a memory mapping: anonymous by default, or a named POSIX shared-memory object
 (``/dev/shm/<shm_name>``) that other processes can map with :meth:`HostArena.attach`, so a store
@@ -26,7 +27,7 @@ import logging
 import mmap
 import os
 import stat
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -45,13 +46,14 @@ from kvtier.tiers.base import (
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MIN_EXTENT = 2 << 20
-MAX_EXTENT = 1 << 30
+MIN_EXTENT = 64 << 10
+MAX_EXTENT = 256 << 20
 
 
 def default_extent_bytes(capacity: int) -> int:
-    """A sixteenth of the arena, within [2 MiB, 1 GiB], in whole pages."""
-    return round_up(min(max(capacity // 16, MIN_EXTENT), MAX_EXTENT))
+    """A 64th of the arena, within [64 KiB, 256 MiB], in whole pages: slots up to an extent lose
+    at most one slot per extent to rounding, larger ones at most one extent each."""
+    return round_up(min(max(capacity // 64, MIN_EXTENT), MAX_EXTENT))
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,7 @@ class HostTierConfig:
     """Page-lock the arena for fast device copies; None: when CUDA is available."""
     extent_bytes: int | None = None
     """For an arena shared by entries of several sizes (a daemon serving any model): memory
-    moves between sizes in extents of this many bytes. Default: :func:`default_extent_bytes`.
-    Every entry's slot must fit in one extent."""
+    moves between sizes in extents of this many bytes. Default: :func:`default_extent_bytes`."""
     shm_mode: int = 0o600
     """Permissions of a shared arena (clients of other users need group read/write)."""
     shm_gid: int | None = None
@@ -208,7 +209,7 @@ class _SizeClass:
 
 
 class HostTier(Tier):
-    """DRAM tier of fixed slots (one size, or one size per extent; see the module docstring)."""
+    """DRAM tier of fixed slots (one size, or sizes sharing extents; see the module docstring)."""
 
     name = "host"
 
@@ -217,7 +218,6 @@ class HostTier(Tier):
         self.config = config
         self.slot_bytes = slot_bytes
         self._classes: dict[int, _SizeClass] = {}
-        self._free_extents: deque[int] = deque()
         if slot_bytes is not None:  # one size over the whole arena
             if slot_bytes <= 0:
                 raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
@@ -234,15 +234,16 @@ class HostTier(Tier):
             cls.free[0] = list(range((num_slots - 1) * self.slot_stride, -1, -self.slot_stride))
             cls.used[0] = 0
             self._classes[self.slot_stride] = cls
+            self._extents = bytearray(1)  # the one extent, the class's for good
         else:
             self.slot_stride = 0
-            self.extent_bytes = config.extent_bytes or default_extent_bytes(config.capacity_bytes)
-            self.extent_bytes = round_up(self.extent_bytes)
+            self.extent_bytes = round_up(config.extent_bytes or default_extent_bytes(config.capacity_bytes))
             self.num_extents = config.capacity_bytes // self.extent_bytes
             if self.num_extents == 0:
                 raise ValueError(f"host capacity of {config.capacity_bytes} bytes is smaller than "
                                  f"one extent of {self.extent_bytes} bytes")
-            self._free_extents.extend(range(self.num_extents))
+            self._extents = bytearray(b"\x01" * self.num_extents)  # 1: free
+        self._free_extents = self._extents.count(1)
         self.arena = HostArena(self.num_extents * self.extent_bytes, config.shm_name,
                                mode=config.shm_mode, gid=config.shm_gid)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
@@ -273,32 +274,57 @@ class HostTier(Tier):
                 raise ValueError(f"host: entry of {nbytes} bytes is larger than the slot size {self.slot_bytes}")
             return self.slot_stride
         stride = round_up(nbytes, PAGE)
-        if stride > self.extent_bytes:
-            raise ValueError(f"host: an entry of {nbytes} bytes does not fit in one DRAM extent of "
-                             f"{self.extent_bytes} bytes (raise extent_bytes or use smaller chunks)")
+        if stride > self.extent_bytes:  # a run of whole extents
+            stride = -(-stride // self.extent_bytes) * self.extent_bytes
+        if stride > self.capacity:
+            raise ValueError(f"host: an entry of {nbytes} bytes does not fit in the DRAM tier of "
+                             f"{self.capacity} bytes")
         return stride
 
     def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
         return self.stride_for(nbytes)
+
+    def _runs(self, extents: int, want: int) -> int:
+        """How many disjoint runs of ``extents`` free extents there are (counting up to ``want``)."""
+        runs, pos, pattern = 0, 0, b"\x01" * extents
+        while runs < want:
+            i = self._extents.find(pattern, pos)
+            if i < 0:
+                break
+            runs += 1
+            pos = i + extents
+        return runs
 
     def has_room(self, nbytes: int, count: int = 1) -> bool:
         """Whether ``count`` more entries of ``nbytes`` fit now (free slots of their size, or
         free extents)."""
         stride = self.stride_for(nbytes)
         with self._lock:
+            if stride > self.extent_bytes:
+                return self._runs(stride // self.extent_bytes, count) >= count
             cls = self._classes.get(stride)
             free = cls.free_slots() if cls is not None else 0
-            return free + len(self._free_extents) * (self.extent_bytes // stride) >= count
+            return free + self._free_extents * (self.extent_bytes // stride) >= count
 
     def fits(self, nbytes: int, count: int) -> bool:
         """Whether ``count`` entries of ``nbytes`` could be held at all."""
-        return count <= self.num_extents * (self.extent_bytes // self.stride_for(nbytes))
+        stride = self.stride_for(nbytes)
+        if stride > self.extent_bytes:
+            return count <= self.num_extents // (stride // self.extent_bytes)
+        return count <= self.num_extents * (self.extent_bytes // stride)
 
-    # -- regions (extents), for making room for another size -----------------------------------
+    # -- regions (extents, or runs of them), for making room for another size ------------------
+    def _region(self, slot: _Slot) -> tuple[int, int]:
+        """Byte range of the region holding ``slot``: its extent, or its own run."""
+        if slot.stride > self.extent_bytes:
+            return slot.offset, slot.offset + slot.stride
+        lo = slot.offset - slot.offset % self.extent_bytes
+        return lo, lo + self.extent_bytes
+
     def region_of(self, key: ChunkKey) -> int | None:
         with self._lock:
             slot = self._entries.get(key) or self._reserved.get(key)
-            return slot.offset // self.extent_bytes if slot is not None else None
+            return self._region(slot)[0] // self.extent_bytes if slot is not None else None
 
     def region_serves(self, key: ChunkKey, nbytes: int) -> bool:
         """Whether evicting ``key`` alone frees a slot an entry of ``nbytes`` can take."""
@@ -306,53 +332,73 @@ class HostTier(Tier):
             slot = self._entries.get(key)
             return slot is not None and slot.stride == self.stride_for(nbytes)
 
+    def _region_entries(self, region: int) -> list[tuple[ChunkKey, _Slot, bool]]:
+        lo = region * self.extent_bytes
+        out = [(k, s, False) for k, s in self._entries.items() if self._region(s)[0] == lo]
+        return out + [(k, s, True) for k, s in self._reserved.items() if self._region(s)[0] == lo]
+
     def region_keys(self, region: int) -> list[ChunkKey]:
-        """Committed entries in extent ``region``."""
-        lo, hi = region * self.extent_bytes, (region + 1) * self.extent_bytes
+        """Committed entries in region ``region`` (an extent's index)."""
         with self._lock:
-            return [k for k, s in self._entries.items() if lo <= s.offset < hi]
+            return [k for k, _, reserved in self._region_entries(region) if not reserved]
 
     def region_busy(self, region: int) -> bool:
-        """Whether extent ``region`` holds a reservation or a pinned entry (it cannot be
+        """Whether region ``region`` holds a reservation or a pinned entry (it cannot be
         emptied now)."""
-        lo, hi = region * self.extent_bytes, (region + 1) * self.extent_bytes
         with self._lock:
-            if any(lo <= s.offset < hi for s in self._reserved.values()):
-                return True
-            return any(self._pins.get(k) for k, s in self._entries.items() if lo <= s.offset < hi)
+            return any(reserved or self._pins.get(k) for k, _, reserved in self._region_entries(region))
 
-    # -- slots --------------------------------------------------------------------------------
     def _slot_view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.arena.tensor[offset : offset + nbytes]
 
+    def _take_extents(self, n: int) -> int:
+        i = self._extents.find(b"\x01" * n)
+        if i < 0:
+            raise TierFullError(f"host: no run of {n} free extents")
+        self._extents[i : i + n] = bytes(n)
+        self._free_extents -= n
+        return i
+
+    def _give_extents(self, first: int, n: int) -> None:
+        self._extents[first : first + n] = b"\x01" * n
+        self._free_extents += n
+
     def _take_slot(self, stride: int) -> int:
+        E = self.extent_bytes
+        if stride > E:  # a run of whole extents, its own
+            offset = self._take_extents(stride // E) * E
+            self._used += stride
+            return offset
         cls = self._classes.get(stride)
         if cls is None:
             cls = self._classes[stride] = _SizeClass(stride)
         exts = [e for e, f in cls.free.items() if f]
         if exts:
             ext = min(exts, key=lambda e: len(cls.free[e]))  # pack: the fullest extent first
-        elif self._free_extents:
-            ext = self._free_extents.popleft()
-            base = ext * self.extent_bytes
-            n = self.extent_bytes // stride
+        else:
+            ext = self._take_extents(1) if not self.slot_stride else -1
+            if ext < 0:
+                raise TierFullError(f"host: all {self.num_slots} slots are in use")
+            base, n = ext * E, E // stride
             cls.free[ext] = list(range(base + (n - 1) * stride, base - 1, -stride))
             cls.used[ext] = 0
-        else:
-            raise TierFullError(f"host: no free slot of {stride} bytes")
         cls.used[ext] += 1
         self._used += stride
         return cls.free[ext].pop()
 
     def _give_slot(self, slot: _Slot) -> None:
+        E = self.extent_bytes
+        self._used -= slot.stride
+        if slot.stride > E:
+            self._give_extents(slot.offset // E, slot.stride // E)
+            return
         cls = self._classes[slot.stride]
-        ext = slot.offset // self.extent_bytes
+        ext = slot.offset // E
         cls.free[ext].append(slot.offset)
         cls.used[ext] -= 1
-        self._used -= slot.stride
         if not self.slot_stride and cls.used[ext] == 0:  # an empty extent serves any size again
             del cls.free[ext], cls.used[ext]
-            self._free_extents.append(ext)
+            self._give_extents(ext, 1)
 
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None,
                 slot_bytes: int | None = None) -> Reservation:
@@ -462,5 +508,4 @@ class HostTier(Tier):
             self._entries.clear()
             self._reserved.clear()
             self._classes.clear()
-            self._free_extents.clear()
             self.arena.close()
