@@ -5,8 +5,8 @@ import threading
 
 import torch
 
-from kvtier.uploader import Uploader
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
+from kvtier.uploader import Uploader
 from tests.remote_servers import unique_prefix
 
 from .tiers.tier_contract import ENTRY, SEGMENT, data, key

@@ -238,8 +238,8 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
 def test_an_outage_does_not_make_the_uploader_drop_chunks_it_listed(mooncake_private):
     """A put refused because the master is down is not a full tier: the uploader evicts
     nothing, and a remove that cannot reach the master leaves the chunk listed."""
-    from kvtier.uploader import Uploader
     from kvtier.tiers.base import TierUnavailableError
+    from kvtier.uploader import Uploader
 
     mooncake_private.start()
     tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids
 from kvtier.cache import CacheConfig
+from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store import StoreConfig
 from kvtier.tiers.base import round_up
