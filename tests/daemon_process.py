@@ -63,8 +63,14 @@ class DaemonProcess:
             client.close()
 
     def pause(self) -> None:
+        """SIGSTOP the daemon, and wait until it is stopped (delivery is not immediate)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        status = Path(f"/proc/{self.proc.pid}/status")
+        deadline = time.monotonic() + 10
+        while "T (stopped)" not in status.read_text():
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.005)
 
     def resume(self) -> None:
         assert self.proc is not None

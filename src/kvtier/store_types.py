@@ -7,8 +7,9 @@ SSD. Lookups, loads and saves return the frozen result types below.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -175,3 +176,31 @@ class StoreStats:
     engine_load_failures: int = 0
     """Chunks engines reported they could not load (a lease lost mid-copy, a copy that
     raised): recomputed by the engine."""
+
+
+class KVCacheAPI(Protocol):
+    """What an engine needs of a KV cache: a :class:`~kvtier.store.KVStore` in its process, or a
+    :class:`~kvtier.server.client.StoreClient` of a store daemon shared with other processes.
+    Both return the same result types; ``request`` names the request a call belongs to (call
+    ``started`` first) so the policies count one use per request."""
+
+    layout: KVLayout
+    tier_names: list[str]
+
+    def keys_for(self, tokens: object) -> list[ChunkKey]: ...
+
+    def lookup(self, tokens: object, *, request: str | None = None) -> LookupResult: ...
+
+    def load(self, hit: LookupResult, out: Sequence[LayerKV], *, layers: Sequence[int] | None = None,
+             promote: bool = True, request: str | None = None) -> LoadResult: ...
+
+    def save(self, tokens: object, kv: Sequence[Sequence[object]], *,
+             request: str | None = None) -> SaveResult: ...
+
+    def prefetch(self, keys: Sequence[ChunkKey], wait: bool = ...) -> int: ...
+
+    def started(self, request_id: str) -> None: ...
+
+    def finished(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...

@@ -6,8 +6,9 @@ chat template) and a ``LlamaForCausalLM`` whose weights come from a fixed seed. 
 an ordinary Hugging Face model directory, built once and cached under ``$KVTIER_HOME/models``
 (default ``~/.cache/kvtier/models``); any local model directory can be used instead.
 
-Sizes: ``tiny`` for tests (fast, 2 layers) and ``small`` (about 100M parameters) whose prefill
-cost is realistic enough for benchmarks.
+Sizes: ``tiny`` for tests (fast, 2 layers), ``mini`` (another fast shape, for tests of two
+models side by side) and ``small`` (about 100M parameters) whose prefill cost is realistic
+enough for benchmarks.
 
 Every token decodes to text that encodes back to the same token, so a generated reply, rendered
 into the next turn's history, hits the KV saved for it.
@@ -46,6 +47,11 @@ SIZES: dict[str, dict[str, int | float]] = {
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32,
+    ),
+    # another shape, for a second model beside ``tiny`` (one daemon serving two models)
+    "mini": dict(
+        hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=32,
     ),
     "small": dict(
         hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,

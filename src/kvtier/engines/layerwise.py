@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvtier.store import KVStore, LookupResult
+from kvtier.store_types import KVCacheAPI, LookupResult
 from kvtier.transfer import torch_dtype
 
 
@@ -30,7 +30,7 @@ class LoadFailed(RuntimeError):
 class LayerwiseLoader:
     """Loads ``hit``'s KV into per-layer buffers on ``device``, one layer at a time."""
 
-    def __init__(self, store: KVStore, hit: LookupResult, device: torch.device | str = "cpu") -> None:
+    def __init__(self, store: KVCacheAPI, hit: LookupResult, device: torch.device | str = "cpu") -> None:
         layout = store.layout
         self.store = store
         self.hit = hit

@@ -477,7 +477,7 @@ class StoreClient:
         c = layout.chunk_tokens
         return LookupResult(chunks.num_tokens, len(tiers) * c, chunks.keys[: len(tiers)], [str(t) for t in tiers])
 
-    def load(self, hit: LookupResult, out: Sequence[LayerKV], layers: Sequence[int] | None = None, *,
+    def load(self, hit: LookupResult, out: Sequence[LayerKV], *, layers: Sequence[int] | None = None,
              promote: bool = True, tenant: str | None = None, request: str | None = None) -> LoadResult:
         """Copy the hit's chunks from the shared arena into ``out`` (fewer tokens on failure).
 
@@ -535,7 +535,7 @@ class StoreClient:
             done += len(lease.views)
         return SaveResult(stored=stored, present=present, dropped=len(keys) - done, busy=busy)
 
-    def prefetch(self, keys: Sequence[ChunkKey], *, first: int = 0, wait: bool = False,
+    def prefetch(self, keys: Sequence[ChunkKey], wait: bool = False, *, first: int = 0,
                  tenant: str | None = None) -> int:
         """Ask the daemon to bring the held prefix of ``keys`` into DRAM (in the background, or
         before replying with ``wait``); how many it promoted (0 when not waited for)."""

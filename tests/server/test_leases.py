@@ -1,0 +1,215 @@
+"""Leases under fault: a daemon stalled past the client's timeout, a daemon restarted under
+live views, a client that loses a lease mid-write. What was read under a lost lease never
+reaches a model; a view never points at unmapped memory; a lost write never lands."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.server.client import StoreClient
+
+from ..conftest import make_kv
+from .test_daemon import LAYOUT, MODEL, Daemon, assert_loaded, out_buffers
+
+C = LAYOUT.chunk_tokens
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def overwrite_dram(daemon: Daemon, chunks: int, salt: int) -> None:
+    """Another client fills DRAM with other chunks, so freed slots get other bytes."""
+    other = daemon.client()
+    tokens = [10_000 + salt * 1000 + i for i in range(chunks * C)]
+    assert other.save(tokens, make_kv(LAYOUT, chunks * C, seed=99 + salt)).stored == chunks
+    other.close()
+
+
+def test_a_daemon_stalled_past_the_timeout_loses_the_lease_and_what_was_read_is_not_trusted(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4, write_through=False).start()
+    client = daemon.client(timeout_s=0.5, retry_s=0.05)
+    try:
+        tokens = list(range(4 * C))
+        kv = make_kv(LAYOUT, 4 * C, seed=1)
+        assert client.save(tokens, kv).stored == 4
+        lease = client.acquire(client.keys_for(tokens))
+        assert lease is not None and len(lease.views) == 4
+        before = [v.clone() for v in lease.views]
+        daemon.pause()  # a daemon operation that takes longer than the client's timeout
+        try:
+            assert client.lookup(tokens).hit_tokens == 0  # timed out: a miss, the connection dropped
+        finally:
+            daemon.resume()
+        wait_until(lambda: daemon.stats()["pinned_chunks"] == 0)  # the daemon ended the lease
+        overwrite_dram(daemon, 4, salt=1)  # its slots now hold other chunks
+        assert any(not torch.equal(v, b) for v, b in zip(lease.views, before))  # the danger, shown
+        assert client.release(lease) is False  # ...so nothing read through it is used
+        assert client.lost_leases == 1
+        out = out_buffers(4 * C)
+        hit = client.lookup(tokens)  # reconnected; the chunks went to SSD to make room
+        got = client.load(hit, out)
+        assert got.tokens == 4 * C
+        assert_loaded(out, kv, 4 * C)
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_load_throws_away_a_round_whose_lease_was_lost(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4, write_through=False).start()
+    client = daemon.client(timeout_s=0.5, retry_s=0.05)
+    try:
+        tokens = list(range(4 * C))
+        kv = make_kv(LAYOUT, 4 * C, seed=2)
+        client.save(tokens, kv)
+        hit = client.lookup(tokens)
+        real = client.acquire
+
+        def stalled(*args, **kw):  # the daemon stalls right after handing out the views
+            lease = real(*args, **kw)
+            daemon.pause()
+            try:
+                client.stats  # noqa: B018 - a call on the same client times out
+                assert client.lookup(tokens).hit_tokens == 0
+            finally:
+                daemon.resume()
+            wait_until(lambda: daemon.stats()["pinned_chunks"] == 0)
+            overwrite_dram(daemon, 4, salt=2)
+            return lease
+
+        client.acquire = stalled
+        out = out_buffers(4 * C)
+        assert client.load(hit, out).tokens == 0  # the round's bytes were another chunk's: not used
+        client.acquire = real
+        assert client.load(client.lookup(tokens), out).tokens == 4 * C
+        assert_loaded(out, kv, 4 * C)
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_a_daemon_restarted_under_live_views_leaves_the_client_alive(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=8).start()
+    client = daemon.client(retry_s=0.05)
+    try:
+        tokens = list(range(4 * C))
+        client.save(tokens, make_kv(LAYOUT, 4 * C, seed=3))
+        assert client.flush()  # written through to SSD
+        read = client.acquire(client.keys_for(tokens))
+        write = client.reserve(client.keys_for(list(range(500, 500 + 2 * C))))
+        assert read is not None and write is not None and all(v is not None for v in write.views)
+        old_arena = client.stats()["arena"]
+        daemon.kill()
+        daemon.start()
+        assert client.lookup(tokens).hit_tokens == 4 * C  # reconnected to the new daemon (SSD)
+        assert client.stats()["arena"] != old_arena
+        # the old views still point at mapped memory: touching them is harmless
+        total = sum(float(v.sum()) for v in read.views)
+        assert total == total
+        for v in write.views:
+            v.fill_(5)
+        assert client.release(read) is False  # lost with the daemon that granted it
+        assert client.commit(write) == 0  # nothing written under a lost lease is stored
+        assert client.lookup(list(range(500, 500 + 2 * C))).hit_tokens == 0
+        maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+        assert old_arena not in maps  # unmapped once its last lease ended
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_a_lost_write_lease_keeps_its_slots_until_the_client_says_it_stopped_writing(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4, extra=("[access]", "orphan_grace_s = 600")).start()
+    client = daemon.client(timeout_s=0.5, retry_s=0.05)
+    try:
+        keys = client.keys_for(list(range(2 * C)))
+        lease = client.reserve(keys)
+        assert lease is not None
+        daemon.pause()
+        try:
+            client.lookup(list(range(C)))  # times out: the connection (and the lease) is lost
+        finally:
+            daemon.resume()
+        wait_until(lambda: daemon.stats()["orphaned_writes"] == 2)
+        # this process is alive and may still write those slots: the daemon keeps them reserved
+        overwrite_dram(daemon, 2, salt=3)  # the other two slots
+        s = daemon.stats()
+        assert s["orphaned_writes"] == 2 and s["tiers"]["host"]["used_bytes"] == 4 * LAYOUT.chunk_bytes
+        for v in lease.views:
+            v.fill_(9)  # a late write lands in a slot nobody else has
+        assert client.commit(lease) == 0
+        client.lookup(list(range(C)))  # the next connection tells the daemon it is done
+        wait_until(lambda: daemon.stats()["orphaned_writes"] == 0)
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_two_clients_saving_the_same_prefix_at_once_both_succeed(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=8).start()
+    a, b = daemon.client(), daemon.client()
+    try:
+        system = list(range(2 * C))
+        la = a.reserve(a.keys_for(system))  # two requests in one vLLM step share a system prompt
+        lb = b.reserve(b.keys_for(system + list(range(900, 900 + C))))
+        assert la is not None and lb is not None
+        assert all(v is not None for v in la.views)
+        assert lb.views[0] is None and lb.views[1] is None and not any(lb.held[:2])  # busy: skip
+        assert lb.views[2] is not None
+        kv = make_kv(LAYOUT, 3 * C, seed=4)
+        from kvtier.transfer import check_kv, pack_chunk
+
+        layers, _ = check_kv(kv, LAYOUT)
+        for i, v in enumerate(la.views):
+            pack_chunk(v, layers, i, LAYOUT)
+        pack_chunk(lb.views[2], layers, 2, LAYOUT)
+        assert a.commit(la) == 2 and b.commit(lb) == 1
+        assert a.lookup(system + list(range(900, 900 + C))).hit_tokens == 3 * C
+        assert b.stats()["busy_chunks"] == 2
+    finally:
+        a.close()
+        b.close()
+        daemon.stop()
+
+
+def test_a_client_cannot_release_or_commit_a_lease_it_does_not_hold(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4).start()
+    a, b = daemon.client(), daemon.client()
+    try:
+        a.save(list(range(C)), make_kv(LAYOUT, C))
+        lease = a.acquire(a.keys_for(list(range(C))))
+        assert lease is not None
+        conn = b._connect()  # another connection names a's lease: refused, nothing changes
+        with pytest.raises(Exception, match="not held on this connection"):
+            b._exchange(conn, {"op": "release", "lease": lease.id})
+        assert a.stats()["pinned_chunks"] == 1
+        assert a.release(lease) is True
+        with pytest.raises(ValueError, match="already ended"):
+            a.release(lease)
+    finally:
+        a.close()
+        b.close()
+        daemon.stop()
+
+
+def test_a_namespace_without_a_client_namespace_is_a_clear_error(tmp_path):
+    daemon = Daemon(tmp_path).start()
+    try:
+        bare = StoreClient(str(daemon.socket))
+        with pytest.raises(ValueError, match="no namespace"):
+            bare.lookup([1, 2, 3])
+        assert bare.stats()["clients"] >= 1  # stats need no namespace
+        bare.close()
+        with pytest.raises(ValueError, match="both model and layout"):
+            StoreClient(str(daemon.socket), model=MODEL)
+    finally:
+        daemon.stop()
