@@ -324,8 +324,9 @@ class ChunkCache:
                 self._remote_absent.pop(key, None)
             if got < len(rest):
                 gone = rest[got]
-                if self.index.holds(gone, level) and self.index.fastest(gone) == level:
-                    self._unlist(gone, level)  # another instance evicted it from the server
+                for key in rest[got:]:  # gone (another instance evicted it), or unreachable past it
+                    if self.index.holds(key, level) and self.index.fastest(key) == level:
+                        self._unlist(key, level)
                 self._remote_absent[gone] = now + self.config.remote_miss_s
                 self._remote_absent.move_to_end(gone)
                 while len(self._remote_absent) > MAX_ABSENT:

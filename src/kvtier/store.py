@@ -122,9 +122,10 @@ class KVStore:
 
     def keys_for(self, tokens: object, *, tenant: str | None = None,
                  extras: Mapping[int, bytes] | None = None) -> list[ChunkKey]:
-        """The store keys of the full chunks of ``tokens``."""
-        ns = self.namespace(tenant)
-        return bind_keys(ns, chunk_tokens_of(tokens, ns, self.layout.chunk_tokens, extras).keys)
+        """The store keys of the full chunks of ``tokens``: chained under the model and layout,
+        bound to the tenant (as a daemon binds its clients' keys)."""
+        chain = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
+        return bind_keys(self.namespace(tenant), chain.keys)
 
     # -- requests -----------------------------------------------------------------------------
     def queued(self, request_id: str, keys: Sequence[ChunkKey]) -> int:
@@ -154,9 +155,9 @@ class KVStore:
         """Longest run of cached chunks from the first. Raises TypeError/ValueError on bad tokens.
         ``extras``: per chunk, what besides tokens determines its KV (image content hashes, see
         :func:`kvtier.core.keys.image_extras`); give the same to :meth:`save`."""
-        ns = self.namespace(tenant)
-        chunks = chunk_tokens_of(tokens, ns, self.layout.chunk_tokens, extras)
-        return self.lookup_keys(bind_keys(ns, chunks.keys), chunks.num_tokens, request=request)
+        chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
+        return self.lookup_keys(bind_keys(self.namespace(tenant), chunks.keys), chunks.num_tokens,
+                                request=request)
 
     def lookup_keys(self, keys: Sequence[ChunkKey], num_tokens: int | None = None, *,
                     request: str | None = None) -> LookupResult:
@@ -267,11 +268,10 @@ class KVStore:
         the first ``T <= len(tokens)`` tokens; chunks beyond ``T`` are not saved. Returns once
         they are stored (and, with ``write_through``, on SSD too)."""
         layers, kv_tokens = check_kv(kv, self.layout)
-        ns = self.namespace(tenant)
-        chunks = chunk_tokens_of(tokens, ns, self.layout.chunk_tokens, extras)
+        chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
         if kv_tokens > chunks.num_tokens:
             raise ValueError(f"kv covers {kv_tokens} tokens but only {chunks.num_tokens} tokens were given")
-        keys = bind_keys(ns, chunks.keys[: kv_tokens // self.layout.chunk_tokens])
+        keys = bind_keys(self.namespace(tenant), chunks.keys[: kv_tokens // self.layout.chunk_tokens])
         stored = present = busy = dropped = 0
         pending = []
         for i, key in enumerate(keys):

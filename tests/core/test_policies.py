@@ -151,3 +151,34 @@ def test_every_policy_runs_the_store_placement_and_respects_capacity(name):
         assert used == [index.count(0), index.count(1)]
         assert used[0] <= 6 and used[1] <= 10
         assert [len(p) for p in place.placement.policies] == used
+
+
+def test_cost_handles_a_call_with_more_keys_than_it_remembers(monkeypatch):
+    import kvtier.core.policies.cost as cost_module
+    from kvtier.core.policies.cost import CostPolicy
+
+    monkeypatch.setattr(cost_module, "MAX_GHOSTS", 8)  # as if one call touched more than 2^20 keys
+    policy = CostPolicy()
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(100)]
+    for k in keys[:3]:
+        policy.insert(k)
+    policy.touch(keys)  # used to raise KeyError: the ghosts of this very call were forgotten
+    policy.touch(keys[:50])
+    assert policy.victim(lambda k: True) in keys[:3]
+
+
+def test_cost_never_lets_an_untouched_chunk_inflate_every_priority():
+    import math
+
+    from kvtier.core.policies.cost import CostPolicy
+
+    policy = CostPolicy()
+    fresh = [bytes([i]) * 16 for i in range(4)]
+    for k in fresh:  # inserted, never touched (a daemon path without touches, before the fix)
+        policy.insert(k)
+    assert policy.victim(lambda k: True) in fresh
+    assert math.isfinite(policy._inflation)
+    old = bytes([9]) * 16
+    policy.insert(old)
+    policy.touch([old])
+    assert math.isfinite(policy._resident[old])

@@ -201,3 +201,74 @@ def test_sigkill_mid_write_keeps_exactly_the_completed_chunks(tmp_path):
             assert os.listdir(d / "tmp") == []  # partial files cleaned up
         shutil.rmtree(d)
     assert partial_seen > 0, "no kill landed mid-write; the test did not exercise a partial file"
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.EIO, errno.EFAULT, errno.ENOMEM])
+def test_a_read_failing_for_a_reason_of_the_machine_is_a_miss_that_keeps_the_chunk(tmp_path, monkeypatch, err, caplog):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        real = os.preadv
+        calls = []
+
+        def failing(fd, bufs, pos):  # fault: out of file descriptors, a bad disk sector, a fault
+            calls.append(1)
+            raise OSError(err, os.strerror(err))
+
+        monkeypatch.setattr(os, "preadv", failing)
+        assert tier.get(key(1)) is None
+        assert tier.stats.misses == 1 and tier.stats.errors == 1 and tier.stats.corrupt == 0
+        assert "the file is kept" in caplog.text
+        monkeypatch.setattr(os, "preadv", real)
+        assert tier.contains(key(1)) and os.path.exists(chunk_file(tier, 1))
+        assert torch.equal(tier.get(key(1)), data(1))  # nothing was lost
+
+
+def test_an_open_failing_with_emfile_keeps_the_chunk(tmp_path, monkeypatch):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        real = os.open
+
+        def emfile(path, flags, *args):
+            if str(path).endswith(".kvc") and not flags & os.O_WRONLY:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", emfile)
+        assert tier.get(key(1)) is None
+        monkeypatch.setattr(os, "open", real)
+        assert torch.equal(tier.get(key(1)), data(1))
+
+
+def test_recovery_skips_what_is_not_a_regular_file(tmp_path):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        fifo = os.path.join(os.path.dirname(chunk_file(tier, 2)), key(2).hex() + ".kvc")
+    os.mkfifo(fifo)  # a FIFO named like a chunk: opening it would hang the start
+    os.symlink("/etc/passwd", fifo.replace(key(2).hex(), key(3).hex()))
+    with open_tier(tmp_path) as tier:  # returns at once
+        assert tier.keys() == [key(1)]
+    assert os.path.exists(fifo)  # skipped, not deleted
+
+
+def test_files_are_private_and_positions_survive_a_reopen(tmp_path):
+    import stat as st
+
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT, position=7)
+        tier.put(key(2), data(2), SEGMENT)
+        path = chunk_file(tier, 1)
+    assert st.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert st.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    with open_tier(tmp_path) as tier:
+        assert tier.position_of(key(1)) == 7 and tier.position_of(key(2)) is None
+
+
+def test_deleted_files_go_in_the_background_and_the_key_waits_for_it(tmp_path):
+    with open_tier(tmp_path) as tier:
+        tier.put(key(1), data(1), SEGMENT)
+        path = chunk_file(tier, 1)
+        assert tier.delete(key(1))
+        assert not tier.contains(key(1)) and tier.used == 0
+        assert tier.flush_deletes()
+        assert not os.path.exists(path)
+        assert tier.put(key(1), data(1), SEGMENT)  # written again once the old file is gone

@@ -6,6 +6,7 @@ import uuid
 import pytest
 import torch
 
+from kvtier.tiers.base import TierFullError
 from kvtier.tiers.host import SHM_DIR, HostArena, HostTier, HostTierConfig
 
 from .tier_contract import ENTRY, TierContract, data, key
@@ -32,7 +33,7 @@ def test_view_is_zero_copy_and_needs_a_pin():
         tier.view(key(1))
     with tier.pinned(key(1)):
         v = tier.view(key(1))
-        assert v.data_ptr() == tier.arena.tensor.data_ptr() + tier.slot_of(key(1)) * tier.slot_stride
+        assert v.data_ptr() == tier.arena.tensor.data_ptr() + tier.slot_of(key(1))  # a byte offset
         v.view(torch.float32)[0] = 1.5  # torch can use the view in place, as another dtype
         assert tier.get(key(1), length=4).view(torch.float32).item() == 1.5
     tier.close()
@@ -60,7 +61,7 @@ def test_the_arena_can_live_in_shared_memory_mapped_by_another_process():
             "import sys, torch\n"
             "from kvtier.tiers.host import HostArena\n"
             f"a = HostArena.attach({name!r}, {tier.arena.size})\n"
-            f"seg = a.tensor[{slot * tier.slot_stride}:{slot * tier.slot_stride + ENTRY}]\n"
+            f"seg = a.tensor[{slot}:{slot + ENTRY}]\n"
             "print(int(seg.sum()))\n"
             "seg[:4] = torch.tensor([9, 8, 7, 6], dtype=torch.uint8)\n"  # write in place
             "a.close()\n"
@@ -78,3 +79,38 @@ def test_the_arena_can_live_in_shared_memory_mapped_by_another_process():
 def test_bad_shm_name_is_refused():
     with pytest.raises(ValueError, match="shm_name"):
         HostTierConfig(capacity_bytes=ENTRY, shm_name="a/b")
+
+
+def test_entries_of_several_sizes_share_the_arena_an_extent_at_a_time():
+    small, big = 8192, 3 * 65536  # a big slot spans 3 extents of 64 KiB
+    tier = HostTier(HostTierConfig(capacity_bytes=8 * 65536, extent_bytes=65536))
+    assert tier.num_extents == 8 and tier.num_slots == 0
+    for i in range(16):  # two extents of small slots
+        tier.put(key(i), data(i, small))
+    assert tier.has_room(big) and tier.fits(big, 2) and not tier.fits(big, 3)
+    tier.put(key(100), data(100, big))  # a run of 3 contiguous extents
+    assert tier.slot_of(key(100)) % 65536 == 0
+    assert tier.has_room(big) and not tier.has_room(big, 2)  # 3 free extents left: one more run
+    tier.put(key(101), data(101, big))
+    assert not tier.has_room(big) and not tier.has_room(small)
+    with pytest.raises(TierFullError):
+        tier.reserve(key(102), small)
+    for i in range(8):  # empty the first small extent: it serves any size again
+        tier.delete(key(i))
+    region = tier.region_of(key(8))
+    assert tier.region_keys(region) == [key(i) for i in range(8, 16)]
+    assert tier.has_room(65536) and tier.region_serves(key(8), small) and not tier.region_serves(key(8), big)
+    for i in (8, 9):
+        with tier.pinned(key(i)):
+            assert tier.region_busy(region)
+    for i in range(16, 24):
+        tier.put(key(i), data(i, small))
+    assert torch.equal(tier.get(key(100)), data(100, big)) and torch.equal(tier.get(key(12)), data(12, small))
+    tier.close()
+
+
+def test_a_size_no_extent_run_can_hold_is_refused_clearly():
+    tier = HostTier(HostTierConfig(capacity_bytes=4 * 65536, extent_bytes=65536))
+    with pytest.raises(ValueError, match="does not fit in the DRAM tier"):
+        tier.reserve(key(1), 5 * 65536)
+    tier.close()

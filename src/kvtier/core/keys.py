@@ -13,9 +13,10 @@ per process).
 
 A store keys a chunk by :func:`bind_keys` of its chain key and the namespace the store checked
 the request under: the store daemon cannot check that a client hashed its tokens under the
-namespace it claims, so it binds every key the client sends to the namespace the client is
-allowed; a client can then only ever reach the chunks of its own namespaces. The in-process
-store binds the same way, so both name a chunk alike (in a shared remote tier too).
+namespace it claims, so it binds every key the client sends to the namespace (tenant included)
+the client is allowed; a client can then only ever reach the chunks of its own namespaces.
+Stores chain keys under the model and layout alone and bind the tenant, and the in-process
+store does as the daemon does, so both name a chunk alike (in a shared remote tier too).
 """
 
 from __future__ import annotations

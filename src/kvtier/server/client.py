@@ -320,21 +320,21 @@ class StoreClient:
             raise ValueError("this StoreClient has no namespace: give it a model and a layout")
         return self.layout
 
-    def namespace(self, tenant: str | None = None) -> Namespace:
-        """The namespace this client hashes its tokens under (the daemon binds the keys to
-        it)."""
+    def namespace(self) -> Namespace:
+        """The namespace this client chains its tokens' keys under (model and layout; the
+        daemon binds each key to the tenant it checked)."""
         layout = self._need_layout()
-        tenant = self.tenant or "" if tenant is None else tenant
-        ns = self._namespaces.get(tenant)
+        ns = self._namespaces.get("")
         if ns is None:
             layout_id = layout.fingerprint + (f"/{self.page_format}" if self.page_format else "")
-            ns = self._namespaces[tenant] = Namespace(self.model, layout_id, tenant)  # type: ignore[arg-type]
+            ns = self._namespaces[""] = Namespace(self.model, layout_id, "")  # type: ignore[arg-type]
         return ns
 
-    def keys_for(self, tokens: object, tenant: str | None = None) -> list[ChunkKey]:
-        """The keys of the full chunks of ``tokens`` (as this client names them)."""
+    def keys_for(self, tokens: object) -> list[ChunkKey]:
+        """The keys of the full chunks of ``tokens`` (as this client names them; the tenant is
+        given with each request, or in the hello)."""
         layout = self._need_layout()
-        return chunk_tokens_of(tokens, self.namespace(tenant), layout.chunk_tokens).keys
+        return chunk_tokens_of(tokens, self.namespace(), layout.chunk_tokens).keys
 
     # -- leases -------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[ChunkKey], *, first: int = 0, tenant: str | None = None,
@@ -464,7 +464,7 @@ class StoreClient:
     # -- the store API --------------------------------------------------------------------------
     def lookup(self, tokens: object, *, tenant: str | None = None, request: str | None = None) -> LookupResult:
         layout = self._need_layout()
-        chunks = chunk_tokens_of(tokens, self.namespace(tenant), layout.chunk_tokens)
+        chunks = chunk_tokens_of(tokens, self.namespace(), layout.chunk_tokens)
         try:
             _, reply = self._call("lookup", keys=chunks.keys, num_tokens=chunks.num_tokens, tenant=tenant,
                                   request=request)
@@ -516,7 +516,7 @@ class StoreClient:
         make room for the next, as with a local store."""
         layout = self._need_layout()
         layers, kv_tokens = check_kv(kv, layout)
-        keys = self.keys_for(tokens, tenant)[: kv_tokens // layout.chunk_tokens]
+        keys = self.keys_for(tokens)[: kv_tokens // layout.chunk_tokens]
         stored = present = busy = done = 0
         while done < len(keys):
             lease = self.reserve(keys[done:], first=done, tenant=tenant, request=request)

@@ -1,0 +1,158 @@
+"""The cache under concurrency, told as stories: one caller's slow SSD read or remote round
+trip never stalls another's lookup; entries keep their metadata for the policies on every path;
+chunks of two sizes share DRAM; the remote level forgets what the server no longer has."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import torch
+
+from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
+from kvtier.cache import CacheConfig, ChunkCache, Slot
+from kvtier.core.keys import ChunkKey
+from kvtier.core.placement import Shape
+from kvtier.store import RemoteConfig
+from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.valkey import ValkeyTierConfig
+from tests.remote_servers import unique_prefix
+
+from .conftest import make_kv
+
+C = 16
+
+
+def store_of(layout, host_chunks: int, tmp_path=None, **kw) -> KVStore:
+    disk = None
+    if tmp_path is not None:
+        disk = DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes))
+    return KVStore(StoreConfig(model="tiny@1", layout=layout, host=HostTierConfig(host_chunks * layout.chunk_bytes),
+                               disk=disk, **kw))
+
+
+class Gate:
+    """Fault injection: the wrapped call blocks until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.open = threading.Event()
+
+    def wrap(self, fn):  # type: ignore[no-untyped-def]
+        def blocked(*args, **kw):
+            self.entered.set()
+            assert self.open.wait(30), "the gate was never opened"
+            return fn(*args, **kw)
+
+        return blocked
+
+
+def test_a_slow_ssd_read_stalls_nobody_else(layout, tmp_path):
+    a, b = list(range(4 * C)), list(range(1000, 1000 + 2 * C))
+    with store_of(layout, host_chunks=4, tmp_path=tmp_path) as store:
+        store.save(a, make_kv(layout, 4 * C, seed=1))
+        store.save(b, make_kv(layout, 2 * C, seed=2))  # a's deepest chunks go down to SSD
+        hit = store.lookup(a)
+        assert "disk" in hit.tiers
+        gate = Gate()
+        disk = store.cache.disk
+        disk.get = gate.wrap(disk.get)  # its SSD reads hang (a slow disk, a long prefetch)
+        disk.get_into = gate.wrap(disk.get_into)
+        loader = threading.Thread(target=lambda: store.load(hit))
+        loader.start()
+        assert gate.entered.wait(10)
+        t0 = time.monotonic()
+        assert store.lookup(b).hit_tokens == 2 * C  # while the other caller waits on the disk
+        assert store.save(list(range(2000, 2000 + C)), make_kv(layout, C, seed=3)).stored in (0, 1)
+        assert store.snapshot()["lookups"] >= 2
+        assert time.monotonic() - t0 < 5
+        assert loader.is_alive()  # it really was stuck in the read all along
+        gate.open.set()
+        loader.join(30)
+        assert not loader.is_alive()
+
+
+def test_a_slow_remote_round_trip_stalls_nobody_else(layout, valkey_standalone):
+    remote = RemoteConfig(ValkeyTierConfig((valkey_standalone.address,), 64 << 20, prefix=unique_prefix(),
+                                           timeout_s=5.0))
+    with store_of(layout, host_chunks=8, remote=remote) as store:
+        local = list(range(2 * C))
+        store.save(local, make_kv(layout, 2 * C))
+        gate = Gate()
+        tier = store.cache.remote
+        tier.contains_prefix = gate.wrap(tier.contains_prefix)  # the server is slow to answer
+        probe = threading.Thread(target=lambda: store.lookup(list(range(5000, 5000 + 2 * C))))
+        probe.start()
+        assert gate.entered.wait(10)
+        t0 = time.monotonic()
+        store.cache.config = CacheConfig(**{**store.cache.config.__dict__, "remote_miss_s": 60.0})
+        loaded = store.load(store.lookup(local[: C]))  # held locally: no round trip needed
+        assert loaded.tokens == C and time.monotonic() - t0 < 2
+        gate.open.set()
+        probe.join(30)
+
+
+def test_the_daemon_path_and_recovery_give_the_policy_every_chunks_position(layout, tmp_path):
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    config = CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=layout.chunk_bytes),
+                         disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)),
+                         policy="cost", write_through=True)
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(12)]
+    with ChunkCache(config) as cache:
+        for i, key in enumerate(keys):  # as a daemon does: reserve, fill, commit, touch
+            res = cache.reserve(key, shape, position=i, remaining=len(keys) - i)
+            assert res is not Slot.HELD and res is not Slot.BUSY
+            res.buffer.fill_(i)
+            cache.commit(res, position=i)
+            cache.touch([key], start=i)
+        assert cache.flush()
+        policy = cache.placement.policies[0]
+        assert all(math.isfinite(p) for p in policy._resident.values())
+        assert math.isfinite(policy._inflation)
+    with ChunkCache(config) as cache:  # restarted: every chunk comes back from SSD, ranked
+        assert [cache.disk.position_of(k) for k in keys] == list(range(12))
+        ssd_policy = cache.placement.policies[1]
+        assert len(ssd_policy._resident) == 12
+        assert all(math.isfinite(p) for p in ssd_policy._resident.values())
+        assert [cache.index.position(k) for k in keys] == list(range(12))
+
+
+def test_chunks_of_two_models_share_dram_and_one_takes_an_extent_from_the_other(layout, tmp_path):
+    a = Shape(layout.chunk_bytes, layout.layer_bytes)  # 32 KiB chunks
+    b = Shape(4 * layout.chunk_bytes, layout.layer_bytes)  # another model's: 128 KiB
+    config = CacheConfig(host=HostTierConfig(8 * layout.chunk_bytes, extent_bytes=2 * layout.chunk_bytes),
+                         disk=DiskTierConfig(str(tmp_path), 64 << 20))
+    with ChunkCache(config) as cache:
+        ka = [ChunkKey(b"a" + bytes([i]) * 15) for i in range(8)]
+        for i, key in enumerate(ka):  # model A fills DRAM
+            res = cache.reserve(key, a, position=i)
+            res.buffer.fill_(i)
+            cache.commit(res, position=i)
+        cache.touch(ka)
+        res = cache.reserve(ChunkKey(b"b" * 16), b, position=0)  # model B needs 2 whole extents
+        res.buffer.fill_(77)
+        assert cache.commit(res)
+        snap = cache.snapshot()
+        assert snap["tiers"]["host"]["chunks"] == 5 and snap["demotions"] == 4  # A's went down, kept
+        for i, key in enumerate(ka):  # every chunk of A is still readable, from DRAM or SSD
+            got = cache.read(key, lambda level, tier, key=key: tier.get(key), promote=False)
+            assert got is not None and torch.equal(got[0], torch.full((a.nbytes,), i, dtype=torch.uint8))
+
+
+def test_the_remote_level_forgets_chunks_another_instance_evicted(layout, valkey_standalone):
+    prefix = unique_prefix()
+    remote = RemoteConfig(ValkeyTierConfig((valkey_standalone.address,), 64 << 20, prefix=prefix))
+    tokens = list(range(2 * C))
+    with store_of(layout, host_chunks=8, remote=remote) as a:
+        a.save(tokens, make_kv(layout, 2 * C))
+        assert a.flush(10)
+        with KVStore(StoreConfig(model="tiny@1", layout=layout, host=HostTierConfig(8 * layout.chunk_bytes),
+                                 remote=remote)) as b:
+            b.cache.config = CacheConfig(**{**b.cache.config.__dict__, "remote_verify_s": 0.0})
+            hit = b.lookup(tokens)
+            assert hit.tiers == ["valkey", "valkey"]
+            for key in hit.keys:  # the other instance evicts them from the shared server
+                a.cache.remote.delete(key)
+            assert b.lookup(tokens).hit_tokens == 0  # not promised any more
+            assert not any(b.index.holds(k, b.remote_level) for k in hit.keys)
