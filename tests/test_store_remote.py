@@ -227,3 +227,30 @@ def test_remote_config_errors_name_the_problem(layout):
         RemoteConfig({"address": "127.0.0.1:1"})
     with pytest.raises(TypeError, match="RemoteConfig"):
         StoreConfig(model="m", layout=layout, host=HostTierConfig(1 << 20), remote="valkey://x")
+
+
+def test_each_tenant_lives_under_its_own_prefix_and_an_acl_confines_an_instance_to_its_tenant(layout, valkey_private):
+    valkey_private.start()
+    prefix = unique_prefix()
+    admin = valkey_private.client()
+    # an ACL user that may touch only tenant acme's keys (its chunks, index, budget, reservations)
+    admin.execute_command("ACL", "SETUSER", "acme", "on", ">acme-pw", f"~{{{prefix}.t.acme}}*",
+                          f"~{{{prefix}.t.acme:*", "+@all")
+
+    def remote(**kw):
+        return valkey_remote(valkey_private.address, prefix, tenant_prefixes=True, **kw)
+
+    tokens = list(range(2 * C))
+    with store_on(layout, remote()) as owner:
+        owner.save(tokens, make_kv(layout, 2 * C, seed=1), tenant="acme")
+        owner.save(tokens, make_kv(layout, 2 * C, seed=2))  # the shared tenant
+        assert owner.flush(10)
+    names = [k.decode() for k in admin.keys("*")]
+    assert any(n.startswith(f"{{{prefix}.t.acme:") for n in names)
+    assert any(n.startswith(f"{{{prefix}.shared:") for n in names)
+    with store_on(layout, remote(username="acme", password="acme-pw")) as confined:
+        hit = confined.lookup(tokens, tenant="acme")
+        assert hit.tiers == ["valkey", "valkey"]
+        assert_same(confined.load(hit), make_kv(layout, 2 * C, seed=1), 2 * C)
+        assert confined.lookup(tokens).hit_tokens == 0  # the shared tenant: the ACL refuses it, a miss
+        assert confined.cache.remote.stats.errors >= 1

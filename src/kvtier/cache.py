@@ -151,7 +151,7 @@ class ChunkCache:
                 self.disk = DiskTier(config.disk)
                 self.tiers.append(self.disk)
             if config.remote is not None:
-                self.remote = make_remote_tier(config.remote.tier)
+                self.remote = self._make_remote(config.remote.tier)
                 self.tiers.append(self.remote)
         except BaseException:
             for tier in self.tiers:
@@ -197,6 +197,31 @@ class ChunkCache:
                     self.placement.touch([key], start=position or 0)  # ranked, not left unranked
                 while tier.used > tier.capacity and self.placement.evict(level):
                     pass
+
+    def _make_remote(self, tier_config: object) -> Tier:
+        self._tenants: OrderedDict[ChunkKey, str] = OrderedDict()
+        if not getattr(tier_config, "tenant_prefixes", False):
+            return make_remote_tier(tier_config)
+        import dataclasses
+
+        from kvtier.tiers.tenants import TenantTiers, tenant_prefix
+
+        def make(tenant: str) -> Tier:
+            prefix = tenant_prefix(tier_config.prefix, tenant)  # type: ignore[attr-defined]
+            return make_remote_tier(dataclasses.replace(tier_config, prefix=prefix, tenant_prefixes=False))  # type: ignore[type-var]
+
+        return TenantTiers(make, lambda key: self._tenants.get(key, ""))
+
+    def tag(self, keys: Sequence[ChunkKey], tenant: str) -> None:
+        """``keys`` belong to ``tenant`` (for a remote tier that keeps tenants apart)."""
+        if not tenant or self.remote is None or not hasattr(self.remote, "shared"):
+            return
+        tenants = self._tenants
+        for key in keys:
+            tenants[key] = tenant
+            tenants.move_to_end(key)
+        while len(tenants) > MAX_REMOTE_KEYS * 4:
+            tenants.popitem(last=False)
 
     # -- the lock -----------------------------------------------------------------------------
     def _shaped(self, entry: Shape | None):  # type: ignore[no-untyped-def]

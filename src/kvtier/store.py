@@ -125,7 +125,13 @@ class KVStore:
         """The store keys of the full chunks of ``tokens``: chained under the model and layout,
         bound to the tenant (as a daemon binds its clients' keys)."""
         chain = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
-        return bind_keys(self.namespace(tenant), chain.keys)
+        return self._bind(tenant, chain.keys)
+
+    def _bind(self, tenant: str | None, keys: list[ChunkKey]) -> list[ChunkKey]:
+        ns = self.namespace(tenant)
+        bound = bind_keys(ns, keys)
+        self.cache.tag(bound, ns.tenant)
+        return bound
 
     # -- requests -----------------------------------------------------------------------------
     def queued(self, request_id: str, keys: Sequence[ChunkKey]) -> int:
@@ -156,8 +162,7 @@ class KVStore:
         ``extras``: per chunk, what besides tokens determines its KV (image content hashes, see
         :func:`kvtier.core.keys.image_extras`); give the same to :meth:`save`."""
         chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
-        return self.lookup_keys(bind_keys(self.namespace(tenant), chunks.keys), chunks.num_tokens,
-                                request=request)
+        return self.lookup_keys(self._bind(tenant, chunks.keys), chunks.num_tokens, request=request)
 
     def lookup_keys(self, keys: Sequence[ChunkKey], num_tokens: int | None = None, *,
                     request: str | None = None) -> LookupResult:
@@ -271,7 +276,7 @@ class KVStore:
         chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
         if kv_tokens > chunks.num_tokens:
             raise ValueError(f"kv covers {kv_tokens} tokens but only {chunks.num_tokens} tokens were given")
-        keys = bind_keys(self.namespace(tenant), chunks.keys[: kv_tokens // self.layout.chunk_tokens])
+        keys = self._bind(tenant, chunks.keys[: kv_tokens // self.layout.chunk_tokens])
         stored = present = busy = dropped = 0
         pending = []
         for i, key in enumerate(keys):

@@ -4,6 +4,7 @@ reaches a model; a view never points at unmapped memory; a lost write never land
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_a_daemon_restarted_under_live_views_leaves_the_client_alive(tmp_path):
         assert client.stats()["arena"] != old_arena
         # the old views still point at mapped memory: touching them is harmless
         total = sum(float(v.sum()) for v in read.views)
-        assert total == total
+        assert math.isfinite(total)
         for v in write.views:
             v.fill_(5)
         assert client.release(read) is False  # lost with the daemon that granted it

@@ -361,7 +361,10 @@ class StoreDaemon:
         tenant = ns.tenant if tenant is None else tenant
         if not self.config.access.allowed(session.peer.uid, tenant):
             raise BadRequest(f"uid {session.peer.uid} may not use tenant {tenant!r}")
-        return ns, bind_keys(session.namespace(tenant), protocol.keys(req))
+        keys = bind_keys(session.namespace(tenant), protocol.keys(req))
+        assert self.cache is not None
+        self.cache.tag(keys, tenant)
+        return ns, keys
 
     def _use(self, req: dict[str, object]) -> int | None:
         assert self.cache is not None

@@ -59,8 +59,14 @@ class ValkeyTierConfig:
     reconnect_interval_s: float = 1.0
     reservation_ttl_s: float = 600.0
     """An uncommitted reservation older than this is presumed dead and released."""
+    tenant_prefixes: bool = False
+    """Keep each tenant's chunks under ``<prefix>.t.<tenant>`` (``<prefix>.shared`` for the empty
+    tenant), each with this budget, so that server ACLs can confine an instance to its tenants
+    (:mod:`kvtier.tiers.tenants`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tenant_prefixes, bool):
+            raise ValueError(f"valkey tenant_prefixes must be true or false, got {self.tenant_prefixes!r}")
         if isinstance(self.addresses, str) or not self.addresses:
             raise ValueError(f"valkey addresses must be a non-empty tuple of 'host:port', got {self.addresses!r}")
         for a in self.addresses:
