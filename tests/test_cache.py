@@ -75,7 +75,7 @@ def test_a_slow_ssd_read_stalls_nobody_else(layout, tmp_path):
 
 def test_a_slow_remote_round_trip_stalls_nobody_else(layout, valkey_standalone):
     remote = RemoteConfig(ValkeyTierConfig((valkey_standalone.address,), 64 << 20, prefix=unique_prefix(),
-                                           timeout_s=5.0))
+                                           timeout_s=5.0), miss_s=60.0)
     with store_of(layout, host_chunks=8, remote=remote) as store:
         local = list(range(2 * C))
         store.save(local, make_kv(layout, 2 * C))
@@ -86,7 +86,6 @@ def test_a_slow_remote_round_trip_stalls_nobody_else(layout, valkey_standalone):
         probe.start()
         assert gate.entered.wait(10)
         t0 = time.monotonic()
-        store.cache.config = CacheConfig(**{**store.cache.config.__dict__, "remote_miss_s": 60.0})
         loaded = store.load(store.lookup(local[: C]))  # held locally: no round trip needed
         assert loaded.tokens == C and time.monotonic() - t0 < 2
         gate.open.set()
@@ -142,14 +141,13 @@ def test_chunks_of_two_models_share_dram_and_one_takes_an_extent_from_the_other(
 
 def test_the_remote_level_forgets_chunks_another_instance_evicted(layout, valkey_standalone):
     prefix = unique_prefix()
-    remote = RemoteConfig(ValkeyTierConfig((valkey_standalone.address,), 64 << 20, prefix=prefix))
+    remote = RemoteConfig(ValkeyTierConfig((valkey_standalone.address,), 64 << 20, prefix=prefix), verify_s=0.0)
     tokens = list(range(2 * C))
     with store_of(layout, host_chunks=8, remote=remote) as a:
         a.save(tokens, make_kv(layout, 2 * C))
         assert a.flush(10)
         with KVStore(StoreConfig(model="tiny@1", layout=layout, host=HostTierConfig(8 * layout.chunk_bytes),
                                  remote=remote)) as b:
-            b.cache.config = CacheConfig(**{**b.cache.config.__dict__, "remote_verify_s": 0.0})
             hit = b.lookup(tokens)
             assert hit.tiers == ["valkey", "valkey"]
             for key in hit.keys:  # the other instance evicts them from the shared server

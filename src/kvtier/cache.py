@@ -27,104 +27,38 @@ that is counted and forgotten; wrong bytes are never returned.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Self, TypeVar
 
 from kvtier.core.index import PrefixHit
 from kvtier.core.keys import ChunkKey
 from kvtier.core.placement import Placement, Shape
 from kvtier.core.policies.base import TierContext
-from kvtier.core.policy import LIVE_POLICIES, POLICIES, make_policy
+from kvtier.core.policy import make_policy
 from kvtier.moves import TierMover
+from kvtier.remote_level import RemoteLevel, make_remote
+from kvtier.requests import Requests
 from kvtier.store_types import (
-    MAX_WAITING,
+    NOMINAL_CHUNK_BYTES,
     NOMINAL_READ_BPS,
-    RemoteConfig,
+    CacheConfig,
+    Held,
+    Slot,
     StoreStats,
-    make_remote_tier,
 )
 from kvtier.tiers.base import Reservation, Tier, TierFullError
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
-from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
 from kvtier.uploader import Uploader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_REMOTE_KEYS = 1 << 20
-"""Chunks of the remote tier the index remembers at most (hints; a lookup asks again)."""
-MAX_ABSENT = 1 << 16
-NOMINAL_CHUNK_BYTES = 16 << 20
-"""What the policies assume a chunk weighs when the store serves any model."""
-
-
-class Slot(enum.Enum):
-    """Why :meth:`ChunkCache.reserve` returned no reservation."""
-
-    HELD = "held"
-    """Some tier already holds the entry: nothing to write."""
-    BUSY = "busy"
-    """Someone else is writing the entry right now: skip it (it will be there)."""
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    host: HostTierConfig
-    disk: DiskTierConfig | None = None
-    remote: RemoteConfig | None = None
-    policy: str = "lru"
-    write_through: bool = False
-    """Also write every committed entry to SSD (in the background), so it survives a restart."""
-    chunk: Shape | None = None
-    """The one entry shape of a store of one model (DRAM slots of that size). None: any
-    shapes (a daemon serving any model: DRAM is shared by sizes an extent at a time)."""
-    chunk_tokens: int = 256
-    """Tokens per chunk, for the policies' cost model."""
-    room_wait_s: float = 2.0
-    """How long ``reserve`` waits for evictions other threads are running to free a slot."""
-    remote_verify_s: float = 5.0
-    """A chunk found in the remote tier is trusted this long before a lookup asks again."""
-    remote_miss_s: float = 1.0
-    """A chunk the remote tier did not have is not asked for again for this long."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, HostTierConfig):
-            raise TypeError("CacheConfig.host must be a HostTierConfig")
-        if self.disk is not None and not isinstance(self.disk, DiskTierConfig):
-            raise TypeError("CacheConfig.disk must be a DiskTierConfig")
-        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
-            raise TypeError("CacheConfig.remote must be a RemoteConfig")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
-        if self.policy not in LIVE_POLICIES:
-            raise ValueError(
-                f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
-                f"live policies: {list(LIVE_POLICIES)}"
-            )
-        if not isinstance(self.write_through, bool):
-            raise ValueError(f"write_through must be true or false, got {self.write_through!r}")
-        for name in ("room_wait_s", "remote_verify_s", "remote_miss_s"):
-            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """One entry pinned in DRAM by :meth:`ChunkCache.acquire`."""
-
-    key: ChunkKey
-    offset: int
-    """Byte offset of its slot in the DRAM arena."""
-    nbytes: int
-    source: str
-    """The tier it was found in (``host``, or ``disk``/``remote`` if it was promoted)."""
 
 
 class ChunkCache:
@@ -151,7 +85,7 @@ class ChunkCache:
                 self.disk = DiskTier(config.disk)
                 self.tiers.append(self.disk)
             if config.remote is not None:
-                self.remote = self._make_remote(config.remote.tier)
+                self.remote = make_remote(config.remote.tier, lambda key: self._remote_level.tenant_of(key))
                 self.tiers.append(self.remote)
         except BaseException:
             for tier in self.tiers:
@@ -174,18 +108,19 @@ class ChunkCache:
                                      config.remote.max_queued)  # type: ignore[union-attr]
         self.remote_level = len(self.tiers) - 1 if self.remote is not None else None
         self._lock = threading.Lock()
-        self.mover = TierMover(self.tiers, host, config.chunk, self.uploader, self._uploaded,
+        self.mover = TierMover(self.tiers, host, config.chunk, self.uploader,
+                               lambda key, ok: self._remote_level.uploaded(key, ok),  # type: ignore[union-attr]
                                self._lock, position_of=lambda key: self.index.position(key))
         self._changed = self.mover.changed
         self.placement = Placement(policies, self.mover)
         self.index = self.placement.index
+        self._remote_level: RemoteLevel | None = None
+        if self.remote is not None:
+            self._remote_level = RemoteLevel(self.remote, self.remote_level, self.placement, self._lock,  # type: ignore[arg-type]
+                                             config.remote.verify_s, config.remote.miss_s)  # type: ignore[union-attr]
         self.stats = StoreStats()
         self._background = ThreadPoolExecutor(2, thread_name_prefix="kvtier-background")
-        self._next_seq = 0
-        self._waiting: OrderedDict[str, int] = OrderedDict()
-        self._running: OrderedDict[str, int] = OrderedDict()
-        self._remote_seen: OrderedDict[ChunkKey, float] = OrderedDict()
-        self._remote_absent: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._requests = Requests()
         self._closed = False
         with self._lock:
             for level, tier in enumerate(self.tiers):
@@ -198,43 +133,16 @@ class ChunkCache:
                 while tier.used > tier.capacity and self.placement.evict(level):
                     pass
 
-    def _make_remote(self, tier_config: object) -> Tier:
-        self._tenants: OrderedDict[ChunkKey, str] = OrderedDict()
-        if not getattr(tier_config, "tenant_prefixes", False):
-            return make_remote_tier(tier_config)
-        import dataclasses
-
-        from kvtier.tiers.tenants import TenantTiers, tenant_prefix
-
-        def make(tenant: str) -> Tier:
-            prefix = tenant_prefix(tier_config.prefix, tenant)  # type: ignore[attr-defined]
-            return make_remote_tier(dataclasses.replace(tier_config, prefix=prefix, tenant_prefixes=False))  # type: ignore[type-var]
-
-        return TenantTiers(make, lambda key: self._tenants.get(key, ""))
-
     def tag(self, keys: Sequence[ChunkKey], tenant: str) -> None:
         """``keys`` belong to ``tenant`` (for a remote tier that keeps tenants apart)."""
-        if not tenant or self.remote is None or not hasattr(self.remote, "shared"):
-            return
-        tenants = self._tenants
-        for key in keys:
-            tenants[key] = tenant
-            tenants.move_to_end(key)
-        while len(tenants) > MAX_REMOTE_KEYS * 4:
-            tenants.popitem(last=False)
+        if self._remote_level is not None:
+            self._remote_level.tag(keys, tenant)
 
     # -- the lock -----------------------------------------------------------------------------
     def _shaped(self, entry: Shape | None):  # type: ignore[no-untyped-def]
         import contextlib
 
         return self.mover.shaped(entry) if entry is not None else contextlib.nullcontext()
-
-    def _uploaded(self, key: ChunkKey, ok: bool) -> None:
-        """The uploader finished a chunk (its thread)."""
-        if ok:
-            with self._lock:
-                self.placement.added(key, self.remote_level)  # type: ignore[arg-type]
-                self._remote_seen[key] = time.monotonic()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background work (write-through copies, queued prefetches, uploads to the
@@ -259,20 +167,10 @@ class ChunkCache:
         held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background).
         Returns how many were promoted (0 when not waited for)."""
         with self._lock:
-            seq = self._seq_for(request_id)
+            seq = self._requests.queued(request_id)
             if self.placement.lookahead:
                 self.placement.hint(seq, list(keys))
         return self.prefetch(keys, use=seq, entry=entry, wait=wait)
-
-    def _seq_for(self, request_id: str) -> int:
-        seq = self._waiting.get(request_id)
-        if seq is None:
-            seq = self._next_seq
-            self._next_seq += 1
-            self._waiting[request_id] = seq
-            while len(self._waiting) > MAX_WAITING:  # never started (aborted): forget the oldest
-                self._waiting.popitem(last=False)
-        return seq
 
     def started(self, request_id: str) -> int:
         """The request is being served (before its lookup): the policies ``begin`` it. A request
@@ -280,39 +178,27 @@ class ChunkCache:
         roughly in arrival order: starting one also ends the look-ahead protection of those that
         arrived before it. Returns its number, the ``use`` of its touches."""
         with self._lock:
-            seq = self._waiting.pop(request_id, None)
-            if seq is None:
-                seq = self._running.get(request_id)
-                if seq is not None:
-                    return seq  # asked again (a scheduler polls): one begin per request
-                seq = self._next_seq
-                self._next_seq += 1
-            self._running[request_id] = seq
-            while len(self._running) > MAX_WAITING:
-                self._running.popitem(last=False)
-            self.placement.begin(seq, time.monotonic())
+            seq, new = self._requests.started(request_id)
+            if new:
+                self.placement.begin(seq, time.monotonic())
             return seq
 
     def use_of(self, request_id: str | None) -> int | None:
         """The number of a queued or started request (None for an unknown one)."""
-        if request_id is None:
-            return None
         with self._lock:
-            seq = self._running.get(request_id)
-            return seq if seq is not None else self._waiting.get(request_id)
+            return self._requests.use_of(request_id)
 
     def finished(self, request_id: str) -> None:
         with self._lock:
-            self._running.pop(request_id, None)
-            self._waiting.pop(request_id, None)
+            self._requests.finished(request_id)
 
     # -- lookup -------------------------------------------------------------------------------
     def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None) -> PrefixHit:
         """The longest run of held chunks from the first (remote tier asked for those past the
         locally held prefix, outside the lock); touches them."""
         keys = list(keys)
-        if self.remote is not None:
-            self._probe_remote(keys)
+        if self._remote_level is not None:
+            self._remote_level.probe(keys)
         with self._lock:
             hit = self.placement.lookup(keys, use=use)
             st = self.stats
@@ -322,50 +208,6 @@ class ChunkCache:
                 st.hits[tier.name] += hit.levels.count(level)
                 st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
         return hit
-
-    def _probe_remote(self, keys: list[ChunkKey]) -> None:
-        """Chunks past the locally held prefix may be in the shared remote tier (saved by
-        another instance): ask it in one round trip, without the lock, for those not known
-        there recently, and index what it holds. Chunks it no longer has leave the index."""
-        level, now = self.remote_level, time.monotonic()
-        assert level is not None
-        with self._lock:
-            index, n = self.index, 0
-            while n < len(keys) and (found := index.fastest(keys[n])) is not None and found < level:
-                n += 1
-            seen = self._remote_seen
-            while n < len(keys) and index.holds(keys[n], level) and now - seen.get(keys[n], -1e18) < self.config.remote_verify_s:
-                n += 1
-            rest = keys[n:]
-            if not rest or self._remote_absent.get(rest[0], 0.0) > now:
-                return
-        got = self.remote.contains_prefix(rest)  # type: ignore[union-attr]  # 0 when down
-        with self._lock:
-            now = time.monotonic()
-            for key in rest[:got]:
-                self.placement.added(key, level)
-                seen[key] = now
-                seen.move_to_end(key)
-                self._remote_absent.pop(key, None)
-            if got < len(rest):
-                gone = rest[got]
-                for key in rest[got:]:  # gone (another instance evicted it), or unreachable past it
-                    if self.index.holds(key, level) and self.index.fastest(key) == level:
-                        self._unlist(key, level)
-                self._remote_absent[gone] = now + self.config.remote_miss_s
-                self._remote_absent.move_to_end(gone)
-                while len(self._remote_absent) > MAX_ABSENT:
-                    self._remote_absent.popitem(last=False)
-            while len(seen) > MAX_REMOTE_KEYS:  # hints only: the oldest are asked for again
-                old, _ = seen.popitem(last=False)
-                if self.index.holds(old, level):
-                    self._unlist(old, level)
-
-    def _unlist(self, key: ChunkKey, level: int) -> None:
-        """Drop ``key`` at ``level`` from the index (not a loss: it is just not known there)."""
-        self.index.discard(key, level)
-        self.placement.policies[level].remove(key)
-        self._remote_seen.pop(key, None)
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -466,7 +308,7 @@ class ChunkCache:
         tier unless someone still reads it (the remote tier removes damaged objects itself)."""
         self.placement.forget(key, level)
         if level == self.remote_level:
-            self._remote_seen.pop(key, None)
+            self._remote_level.forgotten(key)  # type: ignore[union-attr]
             return
         tier = self.tiers[level]
         if tier.contains(key) and not tier.is_pinned(key):
@@ -552,7 +394,7 @@ class ChunkCache:
             self.stats.saved_chunks += 1
             remote = self.config.remote
             if remote is not None and remote.write == "through":
-                self._upload_from_dram(res.key)
+                self._remote_level.upload_from_dram(res.key, self.host, self.mover)  # type: ignore[union-attr]
             if self.config.write_through and self.disk is not None and not self._closed:
                 return self._background.submit(self._logged, lambda: self._write_through(res.key))
             return True
@@ -561,21 +403,6 @@ class ChunkCache:
         with self._lock:
             if self.index.holds(key, 0):
                 self.placement.demote(key, 0)
-
-    def _upload_from_dram(self, key: ChunkKey) -> None:
-        """Queue a saved chunk for the remote tier straight from its DRAM slot, pinned until
-        the upload is over (no copy). Under the lock."""
-        if self.index.holds(key, self.remote_level) or not self.host.pin(key):  # type: ignore[arg-type]
-            return
-
-        def unpin() -> None:
-            with self._lock:
-                self.host.unpin(key)
-
-        if self.mover.upload(key, self.host.view(key), after=unpin, seg=self.host.segment_of(key)):
-            self.placement.stats.writes_down[self.remote_level] += 1  # type: ignore[index]
-        else:
-            self.host.unpin(key)
 
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
               use: int | None = None) -> None:

@@ -6,22 +6,23 @@ SSD. Lookups, loads and saves return the frozen result types below.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.placement import Shape
 from kvtier.core.policy import LIVE_POLICIES, POLICIES
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 from kvtier.transfer import LayerKV
 
-if TYPE_CHECKING:
-    from kvtier.cache import CacheConfig
-
+NOMINAL_CHUNK_BYTES = 16 << 20
+"""What the policies assume a chunk weighs when the store serves any model."""
 NOMINAL_READ_BPS = {"host": 10e9, "disk": 1.5e9, "remote": 1e9}
 """Read bandwidth per kind of tier that cost-aware policies assume; the order of magnitude
 `kvtier bench io` and `kvtier bench remote` measure on the development machines."""
@@ -41,6 +42,10 @@ class RemoteConfig:
     last local tier (fewer remote writes; other instances see it later)."""
     max_queued: int = 256
     """Chunks waiting for upload at most; beyond that a chunk is not uploaded (counted)."""
+    verify_s: float = 5.0
+    """A chunk a lookup found in the remote tier is trusted this long before one asks again."""
+    miss_s: float = 1.0
+    """A chunk the remote tier did not have is not asked for again for this long."""
 
     def __post_init__(self) -> None:
         kind = type(self.tier).__name__
@@ -50,6 +55,10 @@ class RemoteConfig:
             raise ValueError(f"RemoteConfig.write must be one of {WRITE_MODES}, got {self.write!r}")
         if not isinstance(self.max_queued, int) or self.max_queued <= 0:
             raise ValueError(f"RemoteConfig.max_queued must be a positive int, got {self.max_queued!r}")
+        for name in ("verify_s", "miss_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"RemoteConfig.{name} must be a number of seconds >= 0, got {value!r}")
 
 
 def make_remote_tier(config: object) -> Tier:
@@ -64,6 +73,63 @@ def make_remote_tier(config: object) -> Tier:
 
         return MooncakeTier(config)  # type: ignore[arg-type]
     raise TypeError(f"no remote tier for a {kind}")
+
+
+class Slot(enum.Enum):
+    """Why :meth:`ChunkCache.reserve` returned no reservation."""
+
+    HELD = "held"
+    """Some tier already holds the entry: nothing to write."""
+    BUSY = "busy"
+    """Someone else is writing the entry right now: skip it (it will be there)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    host: HostTierConfig
+    disk: DiskTierConfig | None = None
+    remote: RemoteConfig | None = None
+    policy: str = "lru"
+    write_through: bool = False
+    """Also write every committed entry to SSD (in the background), so it survives a restart."""
+    chunk: Shape | None = None
+    """The one entry shape of a store of one model (DRAM slots of that size). None: any
+    shapes (a daemon serving any model: DRAM is shared by sizes an extent at a time)."""
+    chunk_tokens: int = 256
+    """Tokens per chunk, for the policies' cost model."""
+    room_wait_s: float = 2.0
+    """How long ``reserve`` waits for evictions other threads are running to free a slot."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, HostTierConfig):
+            raise TypeError("CacheConfig.host must be a HostTierConfig")
+        if self.disk is not None and not isinstance(self.disk, DiskTierConfig):
+            raise TypeError("CacheConfig.disk must be a DiskTierConfig")
+        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
+            raise TypeError("CacheConfig.remote must be a RemoteConfig")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known policies: {sorted(POLICIES)}")
+        if self.policy not in LIVE_POLICIES:
+            raise ValueError(
+                f"policy {self.policy!r} is an offline bound for `kvtier replay`, not a live policy; "
+                f"live policies: {list(LIVE_POLICIES)}"
+            )
+        if not isinstance(self.write_through, bool):
+            raise ValueError(f"write_through must be true or false, got {self.write_through!r}")
+        if isinstance(self.room_wait_s, bool) or not isinstance(self.room_wait_s, (int, float)) or self.room_wait_s < 0:
+            raise ValueError(f"room_wait_s must be a number of seconds >= 0, got {self.room_wait_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One entry pinned in DRAM by :meth:`ChunkCache.acquire`."""
+
+    key: ChunkKey
+    offset: int
+    """Byte offset of its slot in the DRAM arena."""
+    nbytes: int
+    source: str
+    """The tier it was found in (``host``, or ``disk``/``remote`` if it was promoted)."""
 
 
 MAX_WAITING = 65536
@@ -87,9 +153,6 @@ class StoreConfig:
 
     def cache_config(self) -> CacheConfig:
         """The configuration of the store's :class:`~kvtier.cache.ChunkCache`."""
-        from kvtier.cache import CacheConfig
-        from kvtier.core.placement import Shape
-
         return CacheConfig(host=self.host, disk=self.disk, remote=self.remote, policy=self.policy,
                            write_through=self.write_through,
                            chunk=Shape(self.layout.chunk_bytes, self.layout.layer_bytes),

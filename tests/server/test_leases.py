@@ -189,9 +189,9 @@ def test_a_client_cannot_release_or_commit_a_lease_it_does_not_hold(tmp_path):
         a.save(list(range(C)), make_kv(LAYOUT, C))
         lease = a.acquire(a.keys_for(list(range(C))))
         assert lease is not None
-        conn = b._connect()  # another connection names a's lease: refused, nothing changes
+        conn = b._link.connect()  # another connection names a's lease: refused, nothing changes
         with pytest.raises(Exception, match="not held on this connection"):
-            b._exchange(conn, {"op": "release", "lease": lease.id})
+            b._link.exchange(conn, {"op": "release", "lease": lease.id})
         assert a.stats()["pinned_chunks"] == 1
         assert a.release(lease) is True
         with pytest.raises(ValueError, match="already ended"):

@@ -89,7 +89,7 @@ def test_sizes_and_counts_on_the_wire_are_bounded_and_do_not_break_stats(tmp_pat
     try:
         client = d.client()
         client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
-        conn = client._connect()
+        conn = client._link.connect()
         keys = client.keys_for(list(range(2 * C)))
         for bad in [{"op": "lookup", "keys": keys, "num_tokens": 2**63 - 1},
                     {"op": "lookup", "keys": keys, "num_tokens": -1},
@@ -99,7 +99,7 @@ def test_sizes_and_counts_on_the_wire_are_bounded_and_do_not_break_stats(tmp_pat
                     {"op": "queued", "keys": keys, "request_id": "x" * 10_000},
                     {"op": "nosuchop"}]:
             with pytest.raises(Exception):  # noqa: B017 - each is answered with an error naming the field
-                client._exchange(conn, bad)
+                client._link.exchange(conn, bad)
         assert client.lookup(list(range(2 * C))).hit_tokens == 2 * C
         stats = client.stats()  # still fine
         assert stats["lookup_tokens"] < 1 << 20

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import KVTierError
 from kvtier.tiers.base import PAGE, Tier
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.host import HostTier, HostTierConfig
@@ -57,7 +58,7 @@ STATISTICS: dict[str, Callable[[list[float]], float]] = {
 """How the rounds' times of one phase become one figure."""
 
 
-class BenchError(RuntimeError):
+class BenchError(KVTierError, RuntimeError):
     """The benchmark could not measure what it claims (a miss, a failed write)."""
 
 

@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from kvtier.bench.servers import MooncakeServers, ValkeyServer
+from kvtier.errors import KVTierError
 from kvtier.tiers.base import Tier
 
 MIB = 1 << 20
@@ -47,7 +48,7 @@ RATIO_TARGET = 0.8
 BACKENDS = ("valkey", "mooncake")
 
 
-class BenchError(RuntimeError):
+class BenchError(KVTierError, RuntimeError):
     """The benchmark could not measure what it claims (a miss, a failed write)."""
 
 

@@ -26,10 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.errors import KVTierError
+
 LOOPBACK = "127.0.0.1"
 
 
-class ServerError(RuntimeError):
+class ServerError(KVTierError, RuntimeError):
     """A server binary is missing or a server did not come up."""
 
 

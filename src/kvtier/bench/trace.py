@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import TextIO
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import KVTierError
 
 MOONCAKE_BLOCK_TOKENS = 512
 
 
-class TraceError(ValueError):
+class TraceError(KVTierError, ValueError):
     """A malformed trace; the message names the file and line."""
 
 

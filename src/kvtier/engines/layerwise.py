@@ -19,11 +19,12 @@ import time
 
 import torch
 
+from kvtier.errors import KVTierError
 from kvtier.store_types import KVCacheAPI, LookupResult
 from kvtier.transfer import torch_dtype
 
 
-class LoadFailed(RuntimeError):
+class LoadFailed(KVTierError, RuntimeError):
     """A layer of the cached prefix could not be loaded in full."""
 
 

@@ -64,7 +64,8 @@ _DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": 
          "mode": "mode", "group": "group"}
 _ACCESS = {"mode": "mode", "group": "group", "max_clients": "int", "orphan_grace_s": "seconds",
            "tenants": "table"}
-_REMOTE = {"backend": "str", "write": "str", "max_queued": "int", "valkey": "table", "mooncake": "table"}
+_REMOTE = {"backend": "str", "write": "str", "max_queued": "int", "verify_s": "seconds", "miss_s": "seconds",
+           "valkey": "table", "mooncake": "table"}
 _GONE = {"model": "the daemon serves any model: clients name theirs in their hello",
          "model_dir": "the daemon serves any model: clients name theirs in their hello",
          "layout": "the daemon serves any layout: clients name theirs in their hello"}
@@ -183,8 +184,9 @@ def _remote(data: Mapping[str, object]) -> RemoteConfig:
             kwargs[k] = _value(f"remote.{backend}.{k}", kind, v) if kind else v
     tier = _build(cls, f"remote.{backend}", kwargs)
     try:
-        return RemoteConfig(tier, write=str(data.get("write", "through")),
-                            max_queued=int(data.get("max_queued", 256)))  # type: ignore[call-overload]
+        return RemoteConfig(tier, write=str(data.get("write", "through")),  # type: ignore[call-overload]
+                            max_queued=int(data.get("max_queued", 256)),  # type: ignore[call-overload]
+                            verify_s=float(data.get("verify_s", 5.0)), miss_s=float(data.get("miss_s", 1.0)))  # type: ignore[arg-type]
     except TypeError as exc:
         raise ConfigError(f"config section [remote]: {exc}") from exc
 

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 
 from kvtier.cache import ChunkCache
 from kvtier.core.keys import ChunkKey
+from kvtier.errors import KVTierError
 from kvtier.server.runtime import ProcessWatch
 from kvtier.tiers.base import Reservation
 
 log = logging.getLogger(__name__)
 
 
-class LeaseEnded(Exception):
+class LeaseEnded(KVTierError):
     """The lease named is not (or no longer) held on this connection."""
 
 

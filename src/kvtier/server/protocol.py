@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import msgpack
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import KVTierError
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE = 8 << 20
@@ -34,11 +35,11 @@ MAX_TOKENS = 1 << 40
 MAX_LEASE = (1 << 63) - 1
 
 
-class ProtocolError(Exception):
+class ProtocolError(KVTierError):
     """The peer sent something that is not a valid message."""
 
 
-class BadRequest(ValueError):
+class BadRequest(KVTierError, ValueError):
     """A request's field is missing, of the wrong type or out of bounds."""
 
 

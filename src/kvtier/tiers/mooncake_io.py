@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 from mooncake.store import MooncakeDistributedStore
 
+from kvtier.errors import KVTierError
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.remote import BufferPool, Health
 from kvtier.tiers.remote_config import MooncakeTierConfig, parse_address
@@ -34,7 +35,7 @@ ERRORS = {
 """Mooncake Store's ``ErrorCode`` values (mooncake-store/include/types.h) that kvtier meets."""
 
 
-class Unavailable(Exception):
+class Unavailable(KVTierError):
     """A Mooncake call did not complete (already counted and logged by the tier)."""
 
 

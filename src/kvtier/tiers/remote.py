@@ -39,6 +39,7 @@ import torch
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.errors import KVTierError
 from kvtier.tiers.base import Tier, TierStats, as_byte_tensor, check_key
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ FIXED_BYTES = _FIXED.size
 """Bytes to read from the start of an object to learn its header length."""
 
 
-class CorruptObject(ValueError):
+class CorruptObject(KVTierError, ValueError):
     """An object's bytes fail the header or checksum checks."""
 
 

@@ -15,6 +15,7 @@ from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.exceptions import ClusterDownError, ResponseError, TryAgainError, ValkeyError
 from valkey.exceptions import ConnectionError as ValkeyConnectionError
 
+from kvtier.errors import KVTierError
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.remote import Health
 from kvtier.tiers.remote_config import ValkeyTierConfig, parse_address
@@ -25,7 +26,7 @@ Client = valkey.Valkey | ValkeyCluster
 T = TypeVar("T")
 
 
-class Unavailable(Exception):
+class Unavailable(KVTierError):
     """The call did not reach a server answer (already counted and logged)."""
 
 

@@ -1,0 +1,61 @@
+"""Request numbers: the policies' notion of a use.
+
+Every request an engine serves gets a number in arrival order: when it is announced
+(``queued``, for the look-ahead policies) or, if it never was, when it starts. Its lookups,
+loads and saves carry that number as their ``use``, so the policies count one use of a chunk
+per request however its calls interleave with other requests'. Not thread-safe: the cache
+calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+MAX_REQUESTS = 65536
+"""Requests remembered while queued, and while running, at most (the oldest are forgotten:
+a request announced and never started was aborted)."""
+
+
+class Requests:
+    def __init__(self) -> None:
+        self._next = 0
+        self._waiting: OrderedDict[str, int] = OrderedDict()
+        self._running: OrderedDict[str, int] = OrderedDict()
+
+    def _new(self) -> int:
+        seq = self._next
+        self._next += 1
+        return seq
+
+    def queued(self, request_id: str) -> int:
+        """The number of a request that arrived (the same one if it was announced before)."""
+        seq = self._waiting.get(request_id)
+        if seq is None:
+            seq = self._waiting[request_id] = self._new()
+            while len(self._waiting) > MAX_REQUESTS:
+                self._waiting.popitem(last=False)
+        return seq
+
+    def started(self, request_id: str) -> tuple[int, bool]:
+        """The number of a request being served, and whether it starts now (False when it was
+        started before: a scheduler asks again while it waits)."""
+        seq = self._waiting.pop(request_id, None)
+        if seq is None:
+            seq = self._running.get(request_id)
+            if seq is not None:
+                return seq, False
+            seq = self._new()
+        self._running[request_id] = seq
+        while len(self._running) > MAX_REQUESTS:
+            self._running.popitem(last=False)
+        return seq, True
+
+    def use_of(self, request_id: str | None) -> int | None:
+        if request_id is None:
+            return None
+        seq = self._running.get(request_id)
+        return seq if seq is not None else self._waiting.get(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        self._waiting.pop(request_id, None)

@@ -1,0 +1,241 @@
+"""The client's link to the store daemon: one connection at a time, its hello, its arena.
+
+A connection that breaks or times out is never used again (the reply stream is unknown), and
+every lease on it is lost. A request that holds nothing may be sent again once on a new
+connection; a request about a lease only ever goes on the lease's own connection. The arena of
+a daemon that went away stays mapped until the last lease on it has ended. Leases lost with
+a connection whose caller has since ended them are named to the daemon (``forget``) on the next
+connection to the same daemon instance, so it can free their slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import DaemonUnavailable, LeaseLost
+from kvtier.server import protocol
+from kvtier.server.runtime import ARENA_NAME, peer_of
+from kvtier.tiers.base import PAGE
+from kvtier.tiers.host import SHM_DIR, HostArena
+
+log = logging.getLogger(__name__)
+
+MAX_ARENA = 1 << 46
+
+
+class Arena:
+    """A daemon's arena mapped here, unmapped only once it is retired (its daemon is gone or
+    the client closes) and no lease on it is open."""
+
+    def __init__(self, name: str, size: int, owner_uid: int) -> None:
+        if not isinstance(name, str) or not ARENA_NAME.fullmatch(name):
+            raise DaemonUnavailable(f"the daemon named an arena {name!r:.80}, not a kvtier arena name")
+        if not isinstance(size, int) or not 0 < size <= MAX_ARENA or size % PAGE:
+            raise DaemonUnavailable(f"the daemon gave an arena size of {size!r:.40}")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise DaemonUnavailable(f"{path} is not a regular file")
+            if st.st_uid != owner_uid:
+                raise DaemonUnavailable(f"{path} belongs to uid {st.st_uid}, the daemon runs as {owner_uid}")
+            self.arena = HostArena.attach(name, size)
+        except (OSError, ValueError) as exc:
+            raise DaemonUnavailable(f"cannot map the daemon's arena {path}: {exc}") from exc
+        if torch.cuda.is_available():
+            self.arena.pin()  # page-locked: device copies from the arena run at full speed
+        self.name = name
+        self.size = size
+        self.refs = 0
+        self.retired = False
+
+    def view(self, offset: object, nbytes: int) -> torch.Tensor:
+        if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % PAGE
+                or offset + nbytes > self.size):
+            raise DaemonUnavailable(f"the daemon gave slot offset {offset!r:.40} outside its arena")
+        return self.arena.tensor[offset : offset + nbytes]
+
+    def release(self) -> None:
+        self.refs -= 1
+        self._maybe_close()
+
+    def retire(self) -> None:
+        self.retired = True
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self.retired and self.refs <= 0:
+            self.arena.close()
+
+
+@dataclass(eq=False)
+class Connection:
+    sock: socket.socket
+    epoch: bytes
+    arena: Arena
+    tiers: list[str]
+    broken: bool = False
+
+
+class Link:
+    """One connection to the daemon at a time (thread-safe: requests are serialized)."""
+
+    def __init__(self, socket_path: str, hello: Callable[[], dict[str, object]], timeout_s: float,
+                 retry_s: float) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._hello = hello
+        self.lock = threading.RLock()
+        self._conn: Connection | None = None
+        self._arena: Arena | None = None
+        self._next_try = 0.0
+        self.down_logged = False
+        self._refused: str | None = None
+        self._forget: dict[bytes, list[int]] = {}
+        self.tier_names: list[str] = ["host"]
+
+    def forget_later(self, conn: Connection, lease_id: int) -> None:
+        """A lease lost with ``conn``, now ended by its caller: tell the daemon that granted it."""
+        self._forget.setdefault(conn.epoch, []).append(lease_id)
+
+    def connect(self) -> Connection:
+        if self._conn is not None and not self._conn.broken:
+            return self._conn
+        now = time.monotonic()
+        if now < self._next_try:
+            raise DaemonUnavailable(self._refused or "daemon unreachable; retrying later")
+        self._next_try = now + self.retry_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            daemon = peer_of(sock)
+            protocol.send(sock, self._hello())
+            hello = protocol.recv(sock)
+        except (OSError, protocol.ProtocolError) as exc:
+            sock.close()
+            raise DaemonUnavailable(f"{self.socket_path}: {exc}") from exc
+        try:
+            conn = self._attach(sock, hello, daemon.uid)
+        except DaemonUnavailable:
+            sock.close()
+            raise
+        self._conn = conn
+        self._refused = None
+        if self.down_logged:
+            log.warning("kvtier daemon at %s is back", self.socket_path)
+            self.down_logged = False
+        self._send_forgets(conn)
+        return conn
+
+    def _attach(self, sock: socket.socket, hello: dict[str, object] | None, daemon_uid: int) -> Connection:
+        if hello is None:
+            raise DaemonUnavailable("the daemon closed the connection at hello")
+        if not hello.get("ok"):
+            error = str(hello.get("error"))[:500]
+            if hello.get("refused"):
+                self._refused = f"the daemon refused this client: {error}"
+                if not self.down_logged:
+                    log.error("kvtier daemon at %s refused this client: %s; serving as cache misses",
+                              self.socket_path, error)
+            raise DaemonUnavailable(self._refused or error)
+        if hello.get("version") != protocol.VERSION:
+            raise DaemonUnavailable(f"the daemon speaks protocol {hello.get('version')!r:.20}, this client {protocol.VERSION}")
+        epoch = hello.get("epoch")
+        if not isinstance(epoch, bytes) or len(epoch) != 16:
+            raise DaemonUnavailable("the daemon's hello has no epoch")
+        tiers = hello.get("tiers")
+        if isinstance(tiers, list) and all(isinstance(t, str) for t in tiers) and len(tiers) <= 8:
+            self.tier_names = list(tiers)
+        name, size = hello.get("shm_name"), hello.get("arena_bytes")
+        arena = self._arena
+        if arena is None or arena.name != name or arena.size != size:
+            arena = Arena(name, size, daemon_uid)  # type: ignore[arg-type]
+            if self._arena is not None:
+                self._arena.retire()  # the old daemon's: unmapped once its last lease ends
+            self._arena = arena
+        return Connection(sock, epoch, arena, self.tier_names)
+
+    def _send_forgets(self, conn: Connection) -> None:
+        ids = self._forget.pop(conn.epoch, None)
+        self._forget.clear()  # leases of other daemon instances died with them
+        if ids:
+            try:
+                self.exchange(conn, {"op": "forget", "leases": ids})
+            except DaemonUnavailable:
+                self._forget.setdefault(conn.epoch, []).extend(ids)
+
+    def drop(self, conn: Connection) -> None:
+        """The connection is unusable (an error, a timeout: the reply stream is unknown). Its
+        leases are lost; no request is sent on it again."""
+        if conn.broken:
+            return
+        conn.broken = True
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if self._conn is conn:
+            self._conn = None
+        self._next_try = time.monotonic() + self.retry_s
+
+    def exchange(self, conn: Connection, message: dict[str, object]) -> dict[str, object]:
+        try:
+            protocol.send(conn.sock, message)
+            reply = protocol.recv(conn.sock)
+        except (OSError, protocol.ProtocolError) as exc:
+            self.drop(conn)
+            raise DaemonUnavailable(str(exc) or type(exc).__name__) from exc
+        if reply is None:
+            self.drop(conn)
+            raise DaemonUnavailable("the daemon closed the connection")
+        if not reply.get("ok"):
+            if reply.get("lost"):
+                raise LeaseLost(str(reply.get("error")))
+            raise DaemonUnavailable(str(reply.get("error"))[:500])
+        return reply
+
+    def call(self, op: str, **fields: object) -> tuple[Connection, dict[str, object]]:
+        """A request that holds nothing: tried once more on a new connection if the one it
+        went out on had been up before (the daemon may have restarted since)."""
+        with self.lock:
+            for attempt in (0, 1):
+                had = self._conn is not None and not self._conn.broken
+                conn = self.connect()
+                try:
+                    return conn, self.exchange(conn, {"op": op, **fields})
+                except LeaseLost:
+                    raise
+                except DaemonUnavailable:
+                    if attempt or not had or not conn.broken:
+                        raise
+                    self._next_try = 0.0
+            raise DaemonUnavailable("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def leased(self, conn: Connection | None, op: str, **fields: object) -> dict[str, object]:
+        """A request about a lease: only ever on the lease's own connection."""
+        with self.lock:
+            if conn is None or conn.broken or conn is not self._conn:
+                raise LeaseLost(f"{op}: the connection that held the lease is gone")
+            return self.exchange(conn, {"op": op, **fields})
+
+
+    def close(self) -> None:
+        """Close the connection (open leases are lost) and unmap the arena once no lease on it
+        is open."""
+        with self.lock:
+            if self._conn is not None:
+                self.drop(self._conn)
+            if self._arena is not None:
+                self._arena.retire()
+                self._arena = None

@@ -1,0 +1,216 @@
+"""The daemon's operations: one function per request ``op``, in :data:`OPS`.
+
+Each takes the daemon, the request (checked field by field: :mod:`kvtier.server.protocol`)
+and the client's session, and returns the reply. What a lease is and how it ends:
+:mod:`kvtier.server.leases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvtier.cache import Slot
+from kvtier.errors import TierFullError
+from kvtier.server import protocol
+from kvtier.server.leases import Lease
+from kvtier.server.protocol import BadRequest
+from kvtier.server.settings import ClientNamespace, parse_namespace
+from kvtier.tiers.base import Reservation
+
+if TYPE_CHECKING:
+    from kvtier.server.daemon import StoreDaemon, _Session
+
+
+def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    version = req.get("version")
+    if version != protocol.VERSION:
+        return {"ok": False, "refused": True,
+                "error": f"protocol version {version!r} is not this daemon's ({protocol.VERSION})"}
+    client = req.get("client")
+    if not isinstance(client, bytes) or len(client) != 16:
+        raise BadRequest("hello needs a 16-byte client id")
+    assert daemon.cache is not None
+    if req.get("namespace") is not None:
+        ns = parse_namespace(req["namespace"], daemon.config.tenant)
+        if not daemon.config.access.allowed(session.peer.uid, ns.tenant):
+            return {"ok": False, "refused": True,
+                    "error": f"uid {session.peer.uid} may not use tenant {ns.tenant!r}"}
+        refusal = _cannot_hold(daemon, ns)
+        if refusal:
+            return {"ok": False, "refused": True, "error": refusal}
+        session.ns = ns
+    session.client = client
+    host = daemon.cache.host
+    return {"ok": True, "version": protocol.VERSION, "epoch": daemon.epoch,
+            "shm_name": host.arena.shm_name, "arena_bytes": host.arena.size,
+            "tiers": [t.name for t in daemon.cache.tiers],
+            "tenant": session.ns.tenant if session.ns else daemon.config.tenant}
+
+def _cannot_hold(daemon: StoreDaemon, ns: ClientNamespace) -> str | None:
+    assert daemon.cache is not None
+    shape = ns.shape
+    try:
+        daemon.cache.host.stride_for(shape.nbytes)
+    except ValueError as exc:
+        return f"this daemon cannot hold chunks of this layout: {exc}"
+    for tier in daemon.cache.tiers[1:]:
+        if tier.footprint(shape.nbytes, shape.segment_bytes) > tier.capacity:
+            return (f"this daemon cannot hold chunks of this layout: a chunk of {shape.nbytes} "
+                    f"bytes is larger than the {tier.name} tier ({tier.capacity} bytes)")
+    return None
+
+def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ns, keys = daemon.bound(session, req)
+    c = ns.layout.chunk_tokens
+    n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
+    assert daemon.cache is not None
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req))
+    daemon.cache.count(lookup_tokens=n, hit_tokens=len(hit) * c)
+    return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
+
+def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ns, keys = daemon.bound(session, req)
+    lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
+    first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
+    if lease_id in session.leases:
+        raise BadRequest(f"lease {lease_id} is already held on this connection")
+    assert daemon.cache is not None
+    use = daemon.use_of(req)
+    held = daemon.cache.acquire(keys, entry=ns.shape, start=first, use=use)
+    if held:
+        daemon.leases.grant(session.leases, Lease(lease_id, session.client, False, [h.key for h in held],
+                                                first, use, sources=[h.source for h in held]))
+    return {"ok": True, "lease": lease_id if held else None, "slots": [h.offset for h in held],
+            "tiers": [h.source for h in held]}
+
+def release(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
+    lease = daemon.leases.take(session.leases, lease_id, write=False)
+    ns = daemon.namespace_of(session)
+    assert daemon.cache is not None
+    daemon.cache.release(lease.keys)
+    try:
+        took = protocol.integers(req, "took", 0, ns.layout.chunk_tokens, limit=len(lease.keys))
+        had = protocol.integer(req, "had", 0, protocol.MAX_TOKENS, default=0)
+        failed = protocol.integer(req, "failed", 0, len(lease.keys), default=0)
+    except BadRequest:
+        return {"ok": True}  # the pins are released anyway; a bad report is not counted
+    daemon.cache.count_loaded(zip(lease.sources, took, strict=False), had=had, failed=failed)
+    return {"ok": True}
+
+def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ns, keys = daemon.bound(session, req)
+    lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
+    first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
+    if lease_id in session.leases:
+        raise BadRequest(f"lease {lease_id} is already held on this connection")
+    assert daemon.cache is not None
+    lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req))
+    slots: list[int] = []
+    present = busy = 0
+    try:
+        for i, key in enumerate(keys):
+            try:
+                res = daemon.cache.reserve(key, ns.shape, position=first + i, remaining=len(keys) - i)
+            except TierFullError:
+                break
+            if res is Slot.HELD:
+                slots.append(-1)  # already held: nothing to write
+                present += 1
+            elif res is Slot.BUSY:
+                slots.append(-2)  # another client is writing it now: skip it
+                busy += 1
+            else:
+                assert isinstance(res, Reservation)
+                lease.writes[i] = res
+                slots.append(int(res.slot))  # type: ignore[call-overload]
+    except BaseException:
+        for res in lease.writes.values():
+            daemon.cache.commit(res, ok=False)
+        raise
+    daemon.cache.count(dedup_chunks=present, busy_chunks=busy)
+    if lease.writes:
+        daemon.leases.grant(session.leases, lease)
+    return {"ok": True, "lease": lease_id if lease.writes else None, "slots": slots}
+
+def commit(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
+    lease = daemon.leases.take(session.leases, lease_id, write=True)
+    assert daemon.cache is not None
+    try:
+        written = set(protocol.integers(req, "written", 0, protocol.MAX_KEYS))
+        protocol.within(list(written), len(lease.keys), "written")
+        ok = req.get("success", True) is True
+    except BadRequest:
+        for res in lease.writes.values():
+            daemon.cache.commit(res, ok=False)
+        raise
+    done = 0
+    for i, res in lease.writes.items():
+        done += bool(daemon.cache.commit(res, ok=ok and i in written, position=lease.first + i))
+    if done:
+        daemon.cache.touch(lease.keys, start=lease.first, use=lease.use)
+    return {"ok": True, "committed": done}
+
+def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ids = protocol.integers(req, "leases", 1, protocol.MAX_LEASE)
+    return {"ok": True, "freed": daemon.leases.forget(session.client, ids)}
+
+def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ns, keys = daemon.bound(session, req)
+    first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
+    wait = req.get("wait", False) is True
+    assert daemon.cache is not None
+    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req), entry=ns.shape, wait=wait)
+    return {"ok": True, "promoted": n}
+
+def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    ns, keys = daemon.bound(session, req)
+    request_id = protocol.text(req, "request_id")
+    if not request_id:
+        raise BadRequest("queued needs a request_id")
+    wait = req.get("wait", False) is True
+    assert daemon.cache is not None
+    return {"ok": True, "promoted": daemon.cache.queued(request_id, keys, entry=ns.shape, wait=wait)}
+
+def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    request_id = protocol.text(req, "request_id")
+    if not request_id:
+        raise BadRequest("started needs a request_id")
+    assert daemon.cache is not None
+    daemon.cache.started(request_id)
+    return {"ok": True}
+
+def finished(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    request_id = protocol.text(req, "request_id")
+    if request_id:
+        assert daemon.cache is not None
+        daemon.cache.finished(request_id)
+    return {"ok": True}
+
+def stats(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    return {"ok": True, "stats": daemon.snapshot()}
+
+def flush(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    timeout = protocol.integer(req, "timeout_s", 0, 3600, default=30)
+    assert daemon.cache is not None
+    return {"ok": True, "done": daemon.cache.flush(timeout)}
+
+
+OPS: dict[str, Callable[[StoreDaemon, dict[str, object], _Session], dict[str, object]]] = {
+    "hello": hello,
+    "lookup": lookup,
+    "acquire": acquire,
+    "release": release,
+    "reserve": reserve,
+    "commit": commit,
+    "forget": forget,
+    "prefetch": prefetch,
+    "queued": queued,
+    "started": started,
+    "finished": finished,
+    "stats": stats,
+    "flush": flush,
+}
+"""Operation name -> handler."""
