@@ -51,8 +51,8 @@ from collections.abc import Mapping
 from kvtier.cache import CacheConfig
 from kvtier.core.sizes import parse_size
 from kvtier.errors import ConfigError
-from kvtier.server.daemon import AccessConfig, DaemonConfig
 from kvtier.server.runtime import default_socket_path, ensure_socket_dir
+from kvtier.server.settings import AccessConfig, DaemonConfig
 from kvtier.store_types import RemoteConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
