@@ -59,6 +59,9 @@ from kvtier.uploader import Uploader
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_QUEUED_PREFETCHES = 256
+"""Prefetches waiting for the background threads at most; more hints are dropped (counted)."""
+
 
 
 class ChunkCache:
@@ -121,6 +124,7 @@ class ChunkCache:
         self.stats = StoreStats()
         self._background = ThreadPoolExecutor(2, thread_name_prefix="kvtier-background")
         self._requests = Requests()
+        self._queued_prefetches = 0
         self._closed = False
         with self._lock:
             for level, tier in enumerate(self.tiers):
@@ -257,8 +261,10 @@ class ChunkCache:
                     host.unpin(key)
             if touch:
                 self.placement.touch([h.key for h in out], start=start, use=use)
-            for h in out:
+            for h in out:  # handed to a client, which reads the slot itself
                 self.stats.loaded_chunks[h.source] += 1
+                host.stats.hits += 1
+                host.stats.bytes_read += h.nbytes
         return out
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
@@ -327,8 +333,20 @@ class ChunkCache:
 
         if wait:
             return work()
-        if not self._closed:
-            self._background.submit(self._logged, work)
+        with self._lock:
+            if self._closed or self._queued_prefetches >= MAX_QUEUED_PREFETCHES:
+                self.stats.prefetches_dropped += 1  # a storm of hints must not queue without end
+                return 0
+            self._queued_prefetches += 1
+
+        def queued() -> int:
+            try:
+                return work()
+            finally:
+                with self._lock:
+                    self._queued_prefetches -= 1
+
+        self._background.submit(self._logged, queued)
         return 0
 
     @staticmethod
@@ -463,6 +481,7 @@ class ChunkCache:
                 "demotions": sum(ps.writes_down[1:]),
                 "promotions": ps.promotions,
                 "prefetched": ps.prefetched,
+                "prefetches_dropped": s.prefetches_dropped,
                 "prefetch_hits": ps.prefetch_hits,
                 "load_failures": s.load_failures,
                 "engine_load_failures": s.engine_load_failures,

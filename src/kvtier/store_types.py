@@ -239,6 +239,8 @@ class StoreStats:
     engine_load_failures: int = 0
     """Chunks engines reported they could not load (a lease lost mid-copy, a copy that
     raised): recomputed by the engine."""
+    prefetches_dropped: int = 0
+    """Background prefetch hints dropped because too many were already waiting."""
 
 
 class KVCacheAPI(Protocol):

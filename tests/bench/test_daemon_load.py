@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from kvtier.bench.daemon_load import (
     CONV_STRIDE,
-    DaemonBenchConfig,
     Conversations,
+    DaemonBenchConfig,
     Latency,
     wrong_tokens,
 )

@@ -55,6 +55,7 @@ def test_a_daemon_stalled_past_the_timeout_loses_the_lease_and_what_was_read_is_
         assert any(not torch.equal(v, b) for v, b in zip(lease.views, before))  # the danger, shown
         assert client.release(lease) is False  # ...so nothing read through it is used
         assert client.lost_leases == 1
+        assert client.stats()["engine_load_failures"] == 4  # told on the next connection
         out = out_buffers(4 * C)
         hit = client.lookup(tokens)  # reconnected; the chunks went to SSD to make room
         got = client.load(hit, out)

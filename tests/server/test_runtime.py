@@ -91,7 +91,8 @@ def test_sizes_and_counts_on_the_wire_are_bounded_and_do_not_break_stats(tmp_pat
         client.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C))
         conn = client._link.connect()
         keys = client.keys_for(list(range(2 * C)))
-        for bad in [{"op": "lookup", "keys": keys, "num_tokens": 2**63 - 1},
+        for bad in [{"op": "lookup", "keys": keys, "num_tokens": 2**64 - 1},
+                    {"op": "lookup", "keys": keys, "num_tokens": 2**63 - 1},
                     {"op": "lookup", "keys": keys, "num_tokens": -1},
                     {"op": "lookup", "keys": [b"short"]},
                     {"op": "lookup", "keys": "notalist"},

@@ -18,6 +18,7 @@ keys and the encoder cache; :class:`kvtier.engines.hf.HFEngine` is the text engi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class VisionTurn:
 
 class VisionEngine:
     def __init__(self, model_dir: str | Path, store: KVStore | None, max_new_tokens: int = 8) -> None:
+        self._requests = itertools.count()
         self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.store = store
@@ -105,8 +107,11 @@ class VisionEngine:
         extras = image_extras(spans, store.layout.chunk_tokens) if store is not None else {}
         cache = DynamicCache()
         hit_tokens = 0
+        request = f"vision-{id(self):x}-{next(self._requests)}"
+        if store is not None:  # the policies count this turn's lookup and save as one use
+            store.started(request)
         if store is not None and len(ids) > 1:
-            loaded = store.load(store.lookup(ids[:-1], extras=extras))
+            loaded = store.load(store.lookup(ids[:-1], extras=extras, request=request), request=request)
             hit_tokens = loaded.tokens
             for layer, (k, v) in enumerate(loaded.kv):
                 if hit_tokens:
@@ -137,6 +142,7 @@ class VisionEngine:
         if store is not None:
             tokens = ids + generated[:-1]
             kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-            store.save(tokens, kv, extras=extras)
+            store.save(tokens, kv, extras=extras, request=request)
+            store.finished(request)
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         return VisionTurn(len(ids), hit_tokens, generated, text, first_logits, runs, hits, spans)

@@ -221,10 +221,12 @@ class StoreClient:
                 return True
             except LeaseLost as exc:
                 self.lost_leases += 1
+                self._link.lost_chunks += len(lease.keys)
                 log.warning("kvtier: read lease %d was lost (%s); its chunks are treated as misses", lease.id, exc)
                 return False
             except DaemonUnavailable as exc:
                 self.lost_leases += 1
+                self._link.lost_chunks += len(lease.keys)
                 self._failed("release", exc)
                 return False
 

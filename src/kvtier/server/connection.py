@@ -102,6 +102,8 @@ class Link:
         self.down_logged = False
         self._refused: str | None = None
         self._forget: dict[bytes, list[int]] = {}
+        self.lost_chunks = 0
+        """Chunks read under leases lost since the daemon last heard (reported with forget)."""
         self.tier_names: list[str] = ["host"]
 
     def forget_later(self, conn: Connection, lease_id: int) -> None:
@@ -167,13 +169,17 @@ class Link:
         return Connection(sock, epoch, arena, self.tier_names)
 
     def _send_forgets(self, conn: Connection) -> None:
+        """Name the lost write leases the caller has ended (their slots can be freed), and how
+        many chunks were read under lost read leases (thrown away: load failures)."""
         ids = self._forget.pop(conn.epoch, None)
         self._forget.clear()  # leases of other daemon instances died with them
-        if ids:
+        lost, self.lost_chunks = self.lost_chunks, 0
+        if ids or lost:
             try:
-                self.exchange(conn, {"op": "forget", "leases": ids})
+                self.exchange(conn, {"op": "forget", "leases": ids or [], "lost_chunks": lost})
             except DaemonUnavailable:
-                self._forget.setdefault(conn.epoch, []).extend(ids)
+                if ids:
+                    self._forget.setdefault(conn.epoch, []).extend(ids)
 
     def drop(self, conn: Connection) -> None:
         """The connection is unusable (an error, a timeout: the reply stream is unknown). Its

@@ -155,6 +155,9 @@ def commit(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
 
 def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     ids = protocol.integers(req, "leases", 1, protocol.MAX_LEASE)
+    lost = protocol.integer(req, "lost_chunks", 0, protocol.MAX_KEYS * 64, default=0)
+    assert daemon.cache is not None
+    daemon.cache.count(engine_load_failures=lost)  # what the client threw away, lost leases
     return {"ok": True, "freed": daemon.leases.forget(session.client, ids)}
 
 def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
