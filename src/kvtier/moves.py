@@ -118,6 +118,7 @@ class TierMover:
                 if src != dst and (src, dst) in HANDLER_THREADS:
                     self.transfers.register(src, dst)
         self._local = threading.local()
+        self._drains: dict[ChunkKey, int] = {}  # first key of a group being evicted -> its region
 
     # -- the caller's lock --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -203,7 +204,18 @@ class TierMover:
         if level != 0 or self.host.slot_stride or shape is None or self.host.region_serves(key, shape.nbytes):
             return [key]
         region = self.host.region_of(key)
-        return self.host.region_keys(region) if region is not None else [key]
+        if region is None:
+            return [key]
+        group = self.host.region_keys(region)
+        if group:
+            self.host.drain(region)  # its slots are not handed out while it empties
+            self._drains[group[0]] = region
+        return group or [key]
+
+    def group_done(self, level: int, group: Sequence[ChunkKey]) -> None:
+        region = self._drains.pop(group[0], None) if group else None
+        if region is not None:
+            self.host.drain(region, on=False)
 
     # -- pins ---------------------------------------------------------------------------------
     def is_pinned(self, level: int, key: ChunkKey) -> bool:

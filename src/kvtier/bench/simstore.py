@@ -69,6 +69,9 @@ class ChunkCounter:
     def evict_group(self, level: int, key: ChunkKey, entry: Shape | None = None) -> list[ChunkKey]:
         return [key]
 
+    def group_done(self, level: int, group: Sequence[ChunkKey]) -> None:
+        pass
+
     def is_pinned(self, level: int, key: ChunkKey) -> bool:
         return self._pins[(level, key)] > 0
 

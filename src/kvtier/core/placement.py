@@ -92,7 +92,11 @@ class Mover(Protocol):
 
     def evict_group(self, level: int, key: ChunkKey, entry: Shape | None = None) -> list[ChunkKey]:
         """The chunks to evict for victim ``key``: ``[key]``, or every chunk of the memory region
-        holding it when only a whole region can make room for ``entry``."""
+        holding it when only a whole region can make room for ``entry``. :meth:`group_done`
+        follows once they are evicted."""
+
+    def group_done(self, level: int, group: Sequence[ChunkKey]) -> None:
+        """The chunks :meth:`evict_group` named have been evicted (or kept: pinned meanwhile)."""
 
     def is_pinned(self, level: int, key: ChunkKey) -> bool: ...
 
@@ -245,6 +249,7 @@ class Placement:
                 self._evict_one(k, level)
         finally:
             leaving.difference_update(group)
+            mover.group_done(level, group)
         return True
 
     def _evict_one(self, key: ChunkKey, level: int) -> None:

@@ -252,6 +252,7 @@ class HostTier(Tier):
         self._entries: OrderedDict[ChunkKey, _Slot] = OrderedDict()
         self._reserved: dict[ChunkKey, _Slot] = {}
         self._used = 0
+        self._draining: set[int] = set()
 
     @property
     def num_slots(self) -> int:
@@ -342,6 +343,15 @@ class HostTier(Tier):
         with self._lock:
             return [k for k, _, reserved in self._region_entries(region) if not reserved]
 
+    def drain(self, region: int, on: bool = True) -> None:
+        """While a region is being emptied for another size, its free slots are not handed out
+        (they would keep it from ever becoming free)."""
+        with self._lock:
+            if on:
+                self._draining.add(region)
+            else:
+                self._draining.discard(region)
+
     def region_busy(self, region: int) -> bool:
         """Whether region ``region`` holds a reservation or a pinned entry (it cannot be
         emptied now)."""
@@ -372,7 +382,7 @@ class HostTier(Tier):
         cls = self._classes.get(stride)
         if cls is None:
             cls = self._classes[stride] = _SizeClass(stride)
-        exts = [e for e, f in cls.free.items() if f]
+        exts = [e for e, f in cls.free.items() if f and e not in self._draining]
         if exts:
             ext = min(exts, key=lambda e: len(cls.free[e]))  # pack: the fullest extent first
         else:
