@@ -125,6 +125,7 @@ class ChunkCache:
         self._background = ThreadPoolExecutor(2, thread_name_prefix="kvtier-background")
         self._requests = Requests()
         self._queued_prefetches = 0
+        self._pending: set[Future] = set()
         self._closed = False
         with self._lock:
             for level, tier in enumerate(self.tiers):
@@ -152,11 +153,14 @@ class ChunkCache:
         """Wait until background work (write-through copies, queued prefetches, uploads to the
         remote tier, SSD unlinks) is done; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = self._background.submit(lambda: None)  # runs after what was queued before it
-        try:
-            done.result(timeout=timeout)
-        except TimeoutError:
-            return False
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:  # everything submitted before this call
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(timeout=left)
+            except TimeoutError:
+                return False
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self.uploader is not None and not self.uploader.flush(left):
             return False
@@ -346,8 +350,15 @@ class ChunkCache:
                 with self._lock:
                     self._queued_prefetches -= 1
 
-        self._background.submit(self._logged, queued)
+        self._submit(queued)
         return 0
+
+    def _submit(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on a background thread; :meth:`flush` waits for it. Under the lock or not."""
+        future = self._background.submit(self._logged, fn)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     @staticmethod
     def _logged(fn: Callable[[], T]) -> T | None:
@@ -414,7 +425,7 @@ class ChunkCache:
             if remote is not None and remote.write == "through":
                 self._remote_level.upload_from_dram(res.key, self.host, self.mover)  # type: ignore[union-attr]
             if self.config.write_through and self.disk is not None and not self._closed:
-                return self._background.submit(self._logged, lambda: self._write_through(res.key))
+                return self._submit(lambda: self._write_through(res.key))
             return True
 
     def _write_through(self, key: ChunkKey) -> None:
