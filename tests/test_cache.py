@@ -154,3 +154,36 @@ def test_the_remote_level_forgets_chunks_another_instance_evicted(layout, valkey
                 a.cache.remote.delete(key)
             assert b.lookup(tokens).hit_tokens == 0  # not promised any more
             assert not any(b.index.holds(k, b.remote_level) for k in hit.keys)
+
+
+def test_an_entry_goes_through_explicit_states_while_bytes_move(layout, tmp_path):
+    from kvtier.cache import EntryState
+
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    config = CacheConfig(host=HostTierConfig(2 * layout.chunk_bytes), chunk=shape,
+                         disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)))
+    with ChunkCache(config) as cache:
+        a, b, c = (ChunkKey(bytes([i]) * 16) for i in (1, 2, 3))
+        res = cache.reserve(a, shape, position=0)
+        assert cache.states(a) == {"host": EntryState.WRITING}
+        assert cache.reserve(a, shape, position=0) is Slot.BUSY  # a second writer skips it
+        cache.commit(res, position=0)
+        assert cache.states(a) == {"host": EntryState.READABLE}
+        held = cache.acquire([a])
+        assert cache.states(a) == {"host": EntryState.READING}
+        cache.release([h.key for h in held])
+        for key in (b,):
+            cache.commit(cache.reserve(key, shape, position=0), position=0)
+        cache.touch([b])  # a is the least recent: the next save evicts it to SSD
+        gate = Gate()
+        disk = cache.disk
+        disk.put = gate.wrap(disk.put)
+        saver = threading.Thread(target=lambda: cache.commit(cache.reserve(c, shape, position=0), position=0))
+        saver.start()
+        assert gate.entered.wait(10)  # a's demotion is writing the SSD copy now, lock released
+        assert cache.states(a) == {"host": EntryState.EVICTING}
+        assert cache.contains(b) and cache.lookup_keys([a]).levels == [0]  # still readable meanwhile
+        gate.open.set()
+        saver.join(10)
+        assert cache.states(a) == {"disk": EntryState.READABLE}
+        assert cache.states(c) == {"host": EntryState.READABLE}

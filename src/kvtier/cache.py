@@ -47,6 +47,7 @@ from kvtier.store_types import (
     NOMINAL_CHUNK_BYTES,
     NOMINAL_READ_BPS,
     CacheConfig,
+    EntryState,
     Held,
     Slot,
     StoreStats,
@@ -220,6 +221,23 @@ class ChunkCache:
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self.index
+
+    def states(self, key: ChunkKey) -> dict[str, EntryState]:
+        """The entry's state in each tier that has it (the remote tier as the index knows it)."""
+        with self._lock:
+            out: dict[str, EntryState] = {}
+            for level, tier in enumerate(self.tiers):
+                if level == 0 and self.host.reserving(key):
+                    out[tier.name] = EntryState.WRITING
+                elif not self.index.holds(key, level):
+                    continue
+                elif self.placement.leaving(key, level):
+                    out[tier.name] = EntryState.EVICTING
+                elif tier.is_pinned(key):
+                    out[tier.name] = EntryState.READING
+                else:
+                    out[tier.name] = EntryState.READABLE
+            return out
 
     # -- reads --------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[ChunkKey], *, entry: Shape | None = None, start: int = 0,

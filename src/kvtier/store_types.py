@@ -84,6 +84,20 @@ class Slot(enum.Enum):
     """Someone else is writing the entry right now: skip it (it will be there)."""
 
 
+class EntryState(enum.Enum):
+    """Where an entry stands in one tier (:meth:`ChunkCache.states`)."""
+
+    WRITING = "writing"
+    """Reserved and being filled: invisible to lookups; a second writer of the key skips it."""
+    READABLE = "readable"
+    """Committed and indexed."""
+    READING = "reading"
+    """Readable and pinned by a reader: it cannot be deleted or its slot reused."""
+    EVICTING = "evicting"
+    """Chosen as a victim, its copy to the tier below running: still readable, skipped by other
+    evictions, dropped after its demotion only if nobody pinned it meanwhile."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     host: HostTierConfig

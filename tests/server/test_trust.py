@@ -209,3 +209,17 @@ def test_clients_past_the_maximum_are_refused_and_counted(tmp_path):
             x.close()
     finally:
         daemon.stop()
+
+
+def test_a_layout_the_daemon_cannot_hold_is_refused_with_a_clear_error(tmp_path, caplog):
+    from kvtier.core.layout import KVLayout
+
+    daemon = Daemon(tmp_path, host_chunks=8).start()  # a 256 KiB arena
+    try:
+        huge = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float32", chunk_tokens=256)
+        client = StoreClient(str(daemon.socket), model="big@1", layout=huge)
+        assert client.lookup(list(range(512))).hit_tokens == 0  # a miss, not an exception
+        assert "cannot hold chunks of this layout" in caplog.text
+        client.close()
+    finally:
+        daemon.stop()
