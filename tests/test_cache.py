@@ -187,3 +187,102 @@ def test_an_entry_goes_through_explicit_states_while_bytes_move(layout, tmp_path
         saver.join(10)
         assert cache.states(a) == {"disk": EntryState.READABLE}
         assert cache.states(c) == {"host": EntryState.READABLE}
+
+
+def _eio(monkeypatch):
+    import errno
+    import os
+
+    real = os.preadv
+
+    def failing(fd, bufs, pos):  # fault: a transient I/O error of the disk
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    return lambda: monkeypatch.setattr(os, "preadv", real)
+
+
+def test_a_transient_ssd_error_is_a_miss_that_keeps_the_chunk_on_every_path(layout, tmp_path, monkeypatch):
+    a = list(range(2 * C))
+    kv = make_kv(layout, 2 * C, seed=1)
+    with store_of(layout, host_chunks=2, tmp_path=tmp_path) as store:
+        store.save(a, kv)
+        store.save(list(range(500, 500 + 2 * C)), make_kv(layout, 2 * C, seed=2))  # a goes to SSD
+        hit = store.lookup(a)
+        assert hit.tiers == ["disk", "disk"]
+        restore = _eio(monkeypatch)
+        assert store.load(hit, promote=False).tokens == 0  # read in place: a miss...
+        assert store.load(hit).tokens == 0  # ...and through a promotion: a miss
+        restore()
+        for key in hit.keys:  # ...that kept the chunks, in the tier and in the index
+            assert store.cache.disk.contains(key) and 1 in store.index.levels(key)
+        got = store.load(store.lookup(a))
+        assert got.tokens == 2 * C
+        for (gk, gv), (k, v) in zip(got.kv, kv):
+            assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+def _two_sizes(layout, tmp_path, disk_bytes: int = 64 << 20):
+    a = Shape(layout.chunk_bytes, layout.layer_bytes)  # two to an extent
+    b = Shape(2 * layout.chunk_bytes, layout.layer_bytes)  # a whole extent
+    config = CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=2 * layout.chunk_bytes),
+                         disk=DiskTierConfig(str(tmp_path), disk_bytes))
+    return a, b, config
+
+
+def test_a_save_while_an_extent_drains_for_another_size_evicts_instead_of_failing(layout, tmp_path):
+    a, b, config = _two_sizes(layout, tmp_path)
+    with ChunkCache(config) as cache:
+        ka = [ChunkKey(b"a" + bytes([i]) * 15) for i in range(4)]
+        for i, key in enumerate(ka):  # size A fills both extents
+            res = cache.reserve(key, a, position=i)
+            res.buffer.fill_(i)
+            cache.commit(res, position=i)
+        cache.touch(ka)
+        gate, real_put, calls = Gate(), cache.disk.put, []
+
+        def put(*args, **kw):  # the drain's second demotion hangs
+            calls.append(1)
+            return (gate.wrap(real_put) if len(calls) == 2 else real_put)(*args, **kw)
+
+        cache.disk.put = put
+        big = threading.Thread(target=lambda: cache.commit(cache.reserve(ChunkKey(b"b" * 16), b, position=0)))
+        big.start()
+        assert gate.entered.wait(10)  # extent 0 drains: one slot free (not handed out), one leaving
+        res = cache.reserve(ChunkKey(b"c" * 16), a, position=0)  # evicts from the other extent
+        assert not isinstance(res, Slot)
+        cache.commit(res, position=0)
+        gate.open.set()
+        big.join(10)
+        assert not big.is_alive()
+
+
+def test_an_ssd_eviction_during_a_dram_drain_does_not_end_the_drain(layout, tmp_path):
+    from kvtier.tiers.disk import header_len_for as hlen
+
+    a, b, config = _two_sizes(layout, tmp_path, disk_bytes=2 * (hlen(layout.num_layers) + layout.chunk_bytes))
+    with ChunkCache(config) as cache:
+        k = {n: ChunkKey(n.encode() * 16) for n in ("0", "1", "2", "3", "z")}
+        for n in ("0", "1", "2", "3", "z"):  # the fifth pushes "0" down to SSD
+            res = cache.reserve(k[n], a)
+            res.buffer.fill_(1)
+            cache.commit(res)
+            cache.touch([k[n]])
+        with cache._lock:
+            cache.placement.demote(k["1"], 0)  # "1" on SSD too (as write-through leaves it)
+        cache.touch([k["0"]])
+        gate, real_put, seen = Gate(), cache.disk.put, {}
+
+        def put(key, *args, **kw):
+            if key == k["z"]:  # the drain's second demotion (it evicts "1" from the full SSD)
+                seen["draining"] = set(cache.host._draining)
+                return gate.wrap(real_put)(key, *args, **kw)
+            return real_put(key, *args, **kw)
+
+        cache.disk.put = put
+        t = threading.Thread(target=lambda: cache.commit(cache.reserve(ChunkKey(b"b" * 16), b)))
+        t.start()
+        assert gate.entered.wait(10)
+        gate.open.set()
+        t.join(10)
+        assert seen["draining"]  # still draining while its second chunk was demoted

@@ -241,14 +241,16 @@ class ChunkCache:
 
     # -- reads --------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[ChunkKey], *, entry: Shape | None = None, start: int = 0,
-                use: int | None = None, touch: bool = True) -> list[Held]:
+                use: int | None = None, touch: bool = True, deadline: float | None = None) -> list[Held]:
         """Pin the longest held prefix of ``keys`` in DRAM, promoting chunks from SSD or the
         remote tier, and return where each is. The caller reads the slots, then calls
         :meth:`release` with their keys. ``entry``: the shape of these chunks (for a store of
         any model: what a chunk coming up from the remote tier will be). Shorter than the held
         prefix when DRAM cannot hold it all (what is pinned already, by anyone, stays).
         ``touch``: count this as a use of the chunks (``start``: the position of ``keys[0]``
-        in its sequence; ``use``: the request)."""
+        in its sequence; ``use``: the request). ``deadline`` (``time.monotonic()``): promote no
+        more after it; what is pinned by then is returned (a daemon answers within its client's
+        timeout; the client asks again for the rest)."""
         keys = list(keys)
         out: list[Held] = []
         with self._lock, self._shaped(entry):
@@ -269,6 +271,8 @@ class ChunkCache:
                     if key in pinned_early:
                         pinned_early.discard(key)
                     else:
+                        if level > 0 and deadline is not None and time.monotonic() > deadline:
+                            break
                         if level > 0:
                             lost = self.placement.stats.lost
                             ok = self.placement.promote(key, level)
@@ -312,18 +316,27 @@ class ChunkCache:
                 tier = self.tiers[level]
                 held = self.mover.pin(level, key)
             got = None
+            raised = True
             try:
                 if held:
                     got = read(level, tier)
+                raised = False
             finally:
                 with self._lock:
                     if held:
                         tier.unpin(key)
-                    if got is None:
+                    kept = False
+                    if got is None and not raised:
                         self.stats.load_failures += 1
-                        self._forget(key, level)
+                        # a local tier that still has it failed for a reason of the machine
+                        # (EMFILE, EIO): a miss now, the chunk stays; damage left the tier
+                        kept = held and level != self.remote_level and tier.contains(key)
+                        if not kept:
+                            self._forget(key, level)
             if got is not None:
                 return got, found
+            if kept:
+                return None
 
     def forget(self, key: ChunkKey) -> None:
         """Forget ``key`` in every tier (an object that cannot be completed)."""
@@ -388,7 +401,8 @@ class ChunkCache:
 
     # -- writes -------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, entry: Shape, *, position: int | None = None,
-                slot_bytes: int | None = None, remaining: int = 1) -> Reservation | Slot:
+                slot_bytes: int | None = None, remaining: int = 1,
+                deadline: float | None = None) -> Reservation | Slot:
         """A DRAM slot for new entry ``key`` (evicting as needed; waits up to ``room_wait_s`` for
         evictions other threads run), or why there is none to write: :attr:`Slot.HELD`,
         :attr:`Slot.BUSY`. Fill ``res.buffer``, then :meth:`commit`. Raises TierFullError if
@@ -397,7 +411,8 @@ class ChunkCache:
         ``slot_bytes``: the slot size to take when the entry is smaller (a part of a typed
         object takes a chunk's slot)."""
         shape = Shape(slot_bytes, entry.segment_bytes) if slot_bytes else entry
-        deadline = time.monotonic() + self.config.room_wait_s
+        wait_until = time.monotonic() + self.config.room_wait_s
+        deadline = wait_until if deadline is None else min(deadline, wait_until)
         with self._lock, self._shaped(shape):
             state = self._slot_state(key)
             if state is not None:
@@ -522,7 +537,7 @@ class ChunkCache:
         self._background.shutdown(wait=True)
         if self.uploader is not None:
             self.uploader.flush(timeout=30)
-            self.uploader.close()
+            self.uploader.close()  # an upload still running keeps its DRAM view, and the arena
         self.mover.close()
         with self._lock:  # the remote tier first: it waits for reads it gave up on into DRAM slots
             for tier in reversed(self.tiers):

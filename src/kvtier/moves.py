@@ -46,8 +46,9 @@ T = TypeVar("T")
 HANDLER_THREADS = {("host", "disk"): 2, ("disk", "host"): 2, ("remote", "host"): 2,
                    ("host", "remote"): 1, ("disk", "remote"): 1}
 """Threads per (source, destination) pair: the SSD's queue depth, the remote tier's calls."""
-WAIT_FOR_WRITER_S = 10.0
-"""How long a promotion waits for another thread's write of the same chunk."""
+WAIT_FOR_WRITER_S = 0.5
+"""How long a promotion waits for another thread's write of the same chunk (it may be a daemon
+client's write lease, held for a whole forward pass: then the promotion gives up)."""
 
 
 class Handler:
@@ -213,7 +214,9 @@ class TierMover:
         return group or [key]
 
     def group_done(self, level: int, group: Sequence[ChunkKey]) -> None:
-        region = self._drains.pop(group[0], None) if group else None
+        if level != 0 or not group:
+            return  # only DRAM regions drain (an SSD group is one chunk)
+        region = self._drains.pop(group[0], None)
         if region is not None:
             self.host.drain(region, on=False)
 
@@ -260,6 +263,7 @@ class TierMover:
         try:
             with self.unlocked():
                 if isinstance(target, DiskTier):
+                    target.wait_deleted(key)  # an old copy of the key still being unlinked
                     stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, position=position)
                 else:
                     stored = self._handler(move.src, move.dst).run(target.put, key, view, seg)
@@ -282,8 +286,8 @@ class TierMover:
             return self.host.reserve(key, shape.nbytes, shape.segment_bytes)
         except EntryExistsError:
             return self._await_writer(key)
-        except (TierFullError, ValueError) as exc:
-            log.warning("copying chunk %s from %s to host failed: %s", key.hex(), source.name, exc)
+        except (TierFullError, ValueError) as exc:  # the room made was taken meanwhile: a miss now
+            log.info("copying chunk %s from %s to host failed: %s", key.hex(), source.name, exc)
             return Copied.FAILED
 
     def _await_writer(self, key: ChunkKey) -> Copied:
@@ -312,8 +316,16 @@ class TierMover:
         stored = self.host.commit(res, ok=ok)
         self.notify()
         if not ok:
-            return Copied.SOURCE_LOST
+            return self._not_read(source, key)
         return Copied.OK if stored else Copied.FAILED
+
+    def _not_read(self, source: Tier, key: ChunkKey) -> Copied:
+        """A read that failed: the copy is lost if the source dropped it (damage) or is the
+        remote tier (its index entry is only a hint); an SSD chunk still there failed for a
+        reason of the machine (EMFILE, EIO) and stays."""
+        if isinstance(source, DiskTier) and source.contains(key):
+            return Copied.FAILED
+        return Copied.SOURCE_LOST
 
     def copy_many(self, moves: Sequence[Move]) -> list[Copied]:
         """:meth:`copy` of each move; chunks read from a lower tier are read with one
@@ -351,7 +363,11 @@ class TierMover:
         # reads given up on may still write the unread reservations: released once they end
         self._release_all(late, self.host, [res for (_, res), ok in zip(held, oks, strict=True) if not ok])
         for (i, res), ok in zip(held, oks, strict=True):
-            results[i] = (Copied.OK if self.host.commit(res, ok=True) else Copied.FAILED) if ok else Copied.SOURCE_LOST
+            results[i] = ((Copied.OK if self.host.commit(res, ok=True) else Copied.FAILED) if ok
+                          else self._not_read(source, moves[i].key))
+        for i, r in enumerate(results):  # "present" was found before the batch released the lock
+            if r is Copied.PRESENT and not self.host.contains(moves[i].key):
+                results[i] = Copied.FAILED
         self.notify()
         return results
 

@@ -64,6 +64,14 @@ def test_eviction_to_ssd_and_promotions_really_ran(run):
     assert daemon["load_failures"] == 0 and daemon["disk_io_errors"] == 0
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "daemon bug: TierMover.copy_many decides PRESENT for a chunk already in DRAM before its batch "
+    "read releases the lock; a chunk evicted meanwhile is then indexed in DRAM again, for good"))
+def test_the_index_places_no_more_chunks_in_dram_than_it_holds(run):
+    data, _ = run
+    assert data["daemon"]["host_chunks"] <= data["config"]["dram_chunks"]
+
+
 def test_latency_and_memory_figures_are_reported(run):
     data, _ = run
     lat = data["latency"]
@@ -103,11 +111,13 @@ def test_table_output_and_bad_options():
     ({"workers": True}, "workers must be an int > 0"),
     ({"kill_every_s": -1}, "kill_every_s must be a number >= 0"),
     ({"revisit": 1.0}, "revisit must be a share in [0, 1)"),
-    ({"max_tokens": 16}, "max_tokens (16) must hold two chunks"),
+    ({"max_tokens": 16, "system_tokens": 0, "probe_tokens": 16}, "max_tokens (16) must hold two chunks"),
     ({"max_tokens": 640, "probe_tokens": 64}, "dram_chunks (48) must hold at least two of them"),
     ({"system_tokens": 320}, "system_tokens (320) must be below max_tokens"),
     ({"disk_bytes": 1 << 20}, "must be at least 4x the DRAM tier"),
     ({"directory": "/nonexistent/kvtier"}, "is not a directory"),
+    ({"client_nice": 20}, "client_nice must be in [0, 19]"),
+    ({"storm": 1}, "storm must be true or false"),
 ])
 def test_config_is_validated(kw, message):
     with pytest.raises(ValueError) as err:

@@ -193,3 +193,35 @@ def test_a_prompt_larger_than_dram_is_saved_whole_through_ssd(env, tiny_model_di
         del llm
         gc.collect()
         daemon.stop()
+
+
+def test_a_step_over_a_failed_load_saves_nothing_and_the_next_request_is_exact(env, tiny_model_dir, tmp_path):
+    """Fault injected: a chunk the lookup promised is gone when the worker acquires it. vLLM
+    recomputes the request; the chunks that step computed over the missing KV must not be
+    stored, or the next request with that prefix would load them as valid."""
+    from kvtier.server.client import StoreClient
+
+    p = prompt(300, 0)
+    q = p[: 4 * CHUNK] + prompt(264, 7)  # shares p's 4 chunks
+    ref_llm = make_llm(tiny_model_dir, None)
+    want = generate(ref_llm, [q])
+    del ref_llm
+    gc.collect()
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64).start()
+    llm = make_llm(tiny_model_dir, daemon.socket)
+    real = StoreClient.acquire
+    try:
+        generate(llm, [p])  # p's chunks saved
+        generate(llm, [prompt(520, 5)])  # vLLM's own blocks now hold other KV
+        StoreClient.acquire = lambda self, keys, **kw: real(self, keys[:1], **kw)  # the rest vanished
+        try:
+            assert_same(generate(llm, [q]), want)  # recomputed: this request is right
+        finally:
+            StoreClient.acquire = real
+        assert_same(generate(llm, [q]), want)  # and nothing poisoned was saved for the next one
+        assert daemon.stats()["hit_tokens"] > 0
+    finally:
+        StoreClient.acquire = real
+        del llm
+        gc.collect()
+        daemon.stop()

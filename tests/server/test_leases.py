@@ -4,6 +4,7 @@ reaches a model; a view never points at unmapped memory; a lost write never land
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -122,8 +123,10 @@ def test_a_daemon_restarted_under_live_views_leaves_the_client_alive(tmp_path):
         assert client.release(read) is False  # lost with the daemon that granted it
         assert client.commit(write) == 0  # nothing written under a lost lease is stored
         assert client.lookup(list(range(500, 500 + 2 * C))).hit_tokens == 0
+        del read, write, v  # the last views of the old arena
+        gc.collect()
         maps = Path(f"/proc/{os.getpid()}/maps").read_text()
-        assert old_arena not in maps  # unmapped once its last lease ended
+        assert old_arena not in maps  # unmapped once its last lease ended and no view is left
     finally:
         client.close()
         daemon.stop()
@@ -214,4 +217,104 @@ def test_a_namespace_without_a_client_namespace_is_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="both model and layout"):
             StoreClient(str(daemon.socket), model=MODEL)
     finally:
+        daemon.stop()
+
+
+def test_a_save_with_no_room_at_all_returns_at_once_instead_of_spinning(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4, write_through=False).start()
+    a, b = daemon.client(), daemon.client()
+    try:
+        tokens = list(range(4 * C))
+        assert a.save(tokens, make_kv(LAYOUT, 4 * C, seed=1)).stored == 4
+        lease = a.acquire(a.keys_for(tokens))  # a reader pins all of DRAM
+        assert lease is not None
+        t0 = time.monotonic()
+        res = b.save(list(range(900, 900 + C)), make_kv(LAYOUT, C, seed=2))
+        assert res.stored == 0 and res.dropped == 1 and time.monotonic() - t0 < 4.0
+        assert a.release(lease)
+    finally:
+        a.close()
+        b.close()
+        daemon.stop()
+
+
+def test_a_reserve_whose_reply_never_came_is_forgotten_on_the_next_connection(tmp_path):
+    daemon = Daemon(tmp_path, host_chunks=4, write_through=False).start()
+    client = daemon.client(timeout_s=0.5, retry_s=0.05)
+    try:
+        assert client.lookup(list(range(C))).hit_tokens == 0  # connected
+        daemon.pause()
+        try:
+            assert client.reserve(client.keys_for(list(range(4 * C)))) is None  # timed out
+        finally:
+            daemon.resume()
+        wait_until(lambda: daemon.stats()["orphaned_writes"] == 4)  # granted, never seen
+        time.sleep(0.1)
+        client.lookup(list(range(C)))  # the next connection says: never written, free them
+        wait_until(lambda: daemon.stats()["orphaned_writes"] == 0)
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_a_forget_that_arrives_before_the_old_connection_ends_still_frees_the_slots(tmp_path):
+    from kvtier.cache import CacheConfig
+    from kvtier.server.daemon import DaemonConfig, StoreDaemon
+    from kvtier.tiers.host import HostTierConfig
+
+    d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
+        HostTierConfig(8 * LAYOUT.chunk_bytes, extent_bytes=LAYOUT.chunk_bytes)))).start()
+    c = StoreClient(str(tmp_path / "kv.sock"), model=MODEL, layout=LAYOUT, timeout_s=0.5, retry_s=0.05)
+    try:
+        w = c.reserve(c.keys_for(list(range(2 * C))))
+        assert w is not None and w.id is not None
+        real, slow = d.cache.lookup_keys, [True]
+
+        def lookup_keys(*a, **kw):  # one daemon operation slower than the client's timeout
+            if slow[0]:
+                slow[0] = False
+                time.sleep(2.0)
+            return real(*a, **kw)
+
+        d.cache.lookup_keys = lookup_keys
+        c.lookup(list(range(5000, 5000 + C)))  # times out: the connection and the lease are lost
+        assert c.commit(w) == 0  # the caller ended it: the client will say so
+        c.lookup(list(range(6000, 6000 + C)))  # the forget goes out now, before the old session ends
+        wait_until(lambda: d.snapshot()["orphaned_writes"] == 0 and d.leases.orphans_freed >= 1, timeout=10)
+    finally:
+        c.close()
+        d.stop()
+
+
+def test_a_flush_longer_than_the_timeout_keeps_the_connection_and_its_leases(tmp_path):
+    from kvtier.cache import CacheConfig
+    from kvtier.server.daemon import DaemonConfig, StoreDaemon
+    from kvtier.tiers.host import HostTierConfig
+
+    d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
+        HostTierConfig(8 * LAYOUT.chunk_bytes, extent_bytes=LAYOUT.chunk_bytes)))).start()
+    real = d.cache.flush
+    d.cache.flush = lambda timeout=None: (time.sleep(1.5), real(timeout))[1]  # 1.5 s of background work
+    c = StoreClient(str(tmp_path / "kv.sock"), model=MODEL, layout=LAYOUT, timeout_s=1.0)
+    try:
+        tokens = list(range(2 * C))
+        assert c.save(tokens, make_kv(LAYOUT, 2 * C, seed=1)).stored == 2
+        lease = c.acquire(c.keys_for(tokens))
+        assert lease is not None
+        assert c.flush(timeout=30)  # a call meant to take long says so: no timeout
+        assert c.release(lease) is True
+    finally:
+        c.close()
+        d.stop()
+
+
+def test_a_second_hello_on_one_connection_is_refused(tmp_path):
+    daemon = Daemon(tmp_path).start()
+    client = daemon.client()
+    try:
+        conn = client._link.connect()
+        with pytest.raises(Exception, match="said hello already"):
+            client._link.exchange(conn, client._hello())
+    finally:
+        client.close()
         daemon.stop()

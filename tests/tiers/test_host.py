@@ -114,3 +114,24 @@ def test_a_size_no_extent_run_can_hold_is_refused_clearly():
     with pytest.raises(ValueError, match="does not fit in the DRAM tier"):
         tier.reserve(key(1), 5 * 65536)
     tier.close()
+
+
+def test_closing_an_arena_under_a_live_view_never_unmaps_it():
+    """A view outlives the arena's close (an upload still running at shutdown, a client's lease
+    after its daemon went): the mapping stays until the last view goes, never a SIGSEGV."""
+    name = f"kvtier-{uuid.uuid4().hex}"
+    code = (
+        "import gc, os\n"
+        "from kvtier.tiers.host import HostArena\n"
+        f"a = HostArena(1 << 20, {name!r})\n"
+        "v = a.tensor[4096:8192]\n"
+        "a.close()\n"
+        "v.fill_(7)\n"  # unmapped memory would kill the process here
+        "print(int(v.sum()))\n"
+        "del v; gc.collect()\n"
+        f"print({name!r} in open(f'/proc/{{os.getpid()}}/maps').read())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(7 * 4096), "False"]  # written, then unmapped with the last view
+    assert not os.path.exists(os.path.join(SHM_DIR, name))

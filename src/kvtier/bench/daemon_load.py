@@ -72,10 +72,11 @@ CONV_STRIDE = 1 << 20
 PROBE_CONVERSATION = 1 << 40
 STORM_ROW = 0
 """Row of the counters the storm writes; workers' instances start at 1."""
-COUNTERS = ("ready", "steps", "lookups", "loads", "verified_tokens", "wrong_tokens", "short_loads",
+COUNTERS = ("ready", "steps", "lookups", "hit_tokens", "loads", "verified_tokens", "wrong_tokens", "short_loads",
             "saves", "stored_chunks", "present_chunks", "busy_chunks", "dropped_chunks", "revisits",
             "prefetches", "conversations", "errors", "lost_leases")
 _C = {name: i for i, name in enumerate(COUNTERS)}
+_ARENA = re.compile(r"kvtier-[0-9a-f]{32}")
 _GONE = re.compile(r"gone: released (\d+) pins, orphaned (\d+) reservations")
 
 
@@ -90,12 +91,18 @@ class DaemonBenchConfig:
     """SIGKILL a worker (and start another) this often; 0: never."""
     idle_seconds: float = 10.0
     """Probe lookups on the idle daemon, before the load starts."""
+    storm: bool = True
+    """Run the prefetch storm (off: the load is the workers alone, for comparison)."""
     storm_rate: float = 0.0
     """Prefetch requests a second of the storm; 0: as fast as it can."""
     probe_interval_ms: float = 1.0
     """The probe starts one lookup this often (a late one starts at once, none is skipped up)."""
     think_ms: float = 0.0
     """A worker sleeps this long after each step (an engine computing between calls)."""
+    client_nice: int = 0
+    """Niceness of the workers and the storm (the daemon and the probe keep the default): on a
+    machine with fewer cores than busy processes, so that the probe measures the daemon rather
+    than the CPU scheduler."""
     num_layers: int = 2
     num_kv_heads: int = 2
     head_dim: int = 32
@@ -116,6 +123,8 @@ class DaemonBenchConfig:
     """Parent of the temporary directory (socket, SSD tier, daemon log). Default: $TMPDIR."""
     settle_s: float = 10.0
     """How long pins and reservations may take to drain after the workers stop."""
+    flush_s: float = 60.0
+    """How long the daemon may take to finish its queued background work after the load."""
     audit: int = 64
     """Conversations loaded and checked once more after the run."""
     seed: int = 0
@@ -130,15 +139,19 @@ class DaemonBenchConfig:
                 what = "a number" if kind is float else "an int"
                 raise ValueError(f"{name} must be {what} {'>= 0' if zero else '> 0'}, got {value!r}")
 
-        for name in ("seconds", "idle_seconds", "probe_interval_ms", "settle_s"):
+        for name in ("seconds", "idle_seconds", "probe_interval_ms", "settle_s", "flush_s"):
             positive(name, float)
         for name in ("kill_every_s", "storm_rate", "think_ms"):
             positive(name, float, zero=True)
         for name in ("workers", "dram_chunks", "num_layers", "num_kv_heads", "head_dim", "chunk_tokens",
                      "max_tokens", "turn_tokens", "probe_tokens", "active", "disk_bytes"):
             positive(name)
-        for name in ("system_tokens", "audit", "seed"):
+        for name in ("system_tokens", "audit", "seed", "client_nice"):
             positive(name, zero=True)
+        if not isinstance(self.storm, bool):
+            raise ValueError(f"storm must be true or false, got {self.storm!r}")
+        if self.client_nice > 19:
+            raise ValueError(f"client_nice must be in [0, 19], got {self.client_nice}")
         if self.workers > 64:
             raise ValueError(f"workers must be at most 64, got {self.workers}")
         if self.dram_chunks < 8:
@@ -257,7 +270,11 @@ class DaemonBenchResult:
     daemon_warnings: dict[str, int] = field(default_factory=dict)
     """Warnings and errors in the daemon's log, by message (numbers replaced by ``N``)."""
     daemon_exit_code: int | None = None
+    """-9: it did not stop within 30 s of SIGTERM and was killed (its arena then removed here)."""
+    daemon_stop_s: float | None = None
+    """How long the daemon took to exit after SIGTERM."""
     arena_removed: bool = True
+    """The daemon's shared-memory arena is gone from /dev/shm after the run."""
 
     @property
     def wrong_tokens(self) -> int:
@@ -312,8 +329,9 @@ class DaemonBenchResult:
                 "seconds": cfg.seconds, "workers": cfg.workers, "dram_chunks": cfg.dram_chunks,
                 "chunk_bytes": cfg.layout.chunk_bytes, "host_bytes": cfg.host_bytes,
                 "disk_bytes": cfg.disk_bytes, "kill_every_s": cfg.kill_every_s,
-                "idle_seconds": cfg.idle_seconds, "storm_rate": cfg.storm_rate,
+                "idle_seconds": cfg.idle_seconds, "storm": cfg.storm, "storm_rate": cfg.storm_rate,
                 "probe_interval_ms": cfg.probe_interval_ms, "think_ms": cfg.think_ms,
+                "client_nice": cfg.client_nice,
                 "max_tokens": cfg.max_tokens, "probe_tokens": cfg.probe_tokens, "seed": cfg.seed,
             },
             "cpus": self.cpus,
@@ -346,6 +364,7 @@ class DaemonBenchResult:
             "lost_leases": self.ops["lost_leases"],
             "daemon_warnings": dict(self.daemon_warnings),
             "daemon_exit_code": self.daemon_exit_code,
+            "daemon_stop_s": self.daemon_stop_s,
             "arena_removed": self.arena_removed,
         }
 
@@ -486,7 +505,7 @@ def _worker(config: DaemonBenchConfig, socket_path: str, instance: int, counters
                 conv = _pick_old(rng, created)
                 assert conv is not None
                 ids, _ = convs.get(conv)
-                _, loaded, bad, short = _check(client, convs, conv, ids, buf, out)
+                hit, loaded, bad, short = _check(client, convs, conv, ids, buf, out)
                 row.add("revisits")
             else:
                 if len(active) < config.active:
@@ -499,7 +518,7 @@ def _worker(config: DaemonBenchConfig, socket_path: str, instance: int, counters
                 length = min(config.max_tokens, max(length + grow, config.system_tokens + 1))
                 ids, kv = convs.get(conv)
                 tokens = ids[:length]
-                _, loaded, bad, short = _check(client, convs, conv, tokens, buf, out)
+                hit, loaded, bad, short = _check(client, convs, conv, tokens, buf, out)
                 res = client.save(tokens, [(kv[layer, 0, :, :length], kv[layer, 1, :, :length])
                                            for layer in range(config.num_layers)])
                 row.add("saves")
@@ -512,6 +531,7 @@ def _worker(config: DaemonBenchConfig, socket_path: str, instance: int, counters
                     active.remove(turn)
             row.add("steps")
             row.add("lookups")
+            row.add("hit_tokens", hit)
             if loaded:
                 row.add("loads")
                 row.add("verified_tokens", loaded)
@@ -656,17 +676,22 @@ class _Daemon:
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def stop(self) -> int | None:
-        if self.proc is None:
+    def stop(self, arena: str | None = None, timeout: float = 30.0) -> float | None:
+        """SIGTERM, and SIGKILL if it has not exited within ``timeout`` (then its ``arena`` is
+        removed here, as a restarted daemon would). Seconds it took to exit after SIGTERM."""
+        if self.proc is None or self.proc.poll() is not None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            if arena and _ARENA.fullmatch(arena):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", arena))
+        return time.monotonic() - t0
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -675,6 +700,13 @@ def _stop_process(proc: multiprocessing.process.BaseProcess, timeout: float) -> 
     if proc.is_alive():
         proc.kill()
         proc.join(10)
+
+
+def _renice(proc: multiprocessing.process.BaseProcess, nice: int) -> None:
+    """Lower a client's priority at once (its imports included)."""
+    if nice and proc.pid is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
 
 
 def _wait_ready(counters: object, rows: Sequence[int], procs: Sequence, timeout: float) -> None:
@@ -709,11 +741,12 @@ def _audit(config: DaemonBenchConfig, socket_path: str, counters: object) -> tup
     return len(picked), tokens, bad
 
 
-def _flush(config: DaemonBenchConfig, socket_path: str, timeout: int = 300) -> float | None:
+def _flush(config: DaemonBenchConfig, socket_path: str) -> float | None:
     """Wait for the daemon's queued background work (the storm's prefetches); how long it took,
-    None if it did not finish within ``timeout``."""
+    None if it did not finish within ``config.flush_s``."""
     from kvtier.server.client import StoreClient
 
+    timeout = max(1, math.ceil(config.flush_s))
     client = StoreClient(socket_path, model=MODEL, layout=config.layout, timeout_s=timeout + 10.0)
     t0 = time.monotonic()
     try:
@@ -758,13 +791,18 @@ def _leaks(stats: dict) -> dict[str, int]:
 def run_daemon_bench(config: DaemonBenchConfig | None = None,
                      progress: Callable[[str], None] | None = None) -> DaemonBenchResult:
     """Run the load test (see the module docstring). Raises RuntimeError if the daemon or a
-    benchmark process cannot be started; every process it started is stopped and its temporary
-    directory removed, whatever happens."""
+    benchmark process cannot be started or dies; every process it started is stopped and its
+    temporary directory removed, whatever happens. The client processes are started with the
+    ``spawn`` method: a script calling this needs an ``if __name__ == "__main__":`` guard."""
     config = config or DaemonBenchConfig()
     say = progress or (lambda msg: None)
     ctx = multiprocessing.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-daemon-", dir=config.directory)
-    daemon = _Daemon(config, tmp)
+    try:
+        daemon = _Daemon(config, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     counters = ctx.RawArray("q", (config.max_instances + 1) * len(COUNTERS))
     stop = ctx.RawValue("b", 0)
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -773,7 +811,6 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
     probe_conn = None
     stats_client = None
     arena = None
-    exit_code = None
     try:
         say("starting the daemon")
         daemon.start()
@@ -788,7 +825,11 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
         probe_conn = parent_conn
         if not probe_conn.poll(60):
             raise RuntimeError("the latency probe did not start in 60 s")
-        _, held = probe_conn.recv()
+        try:
+            _, held = probe_conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the latency probe exited at start ({probe.exitcode}); "
+                               "is run_daemon_bench called from an unguarded __main__?") from None
         if not held:
             raise RuntimeError("the daemon did not hold the probe's conversation after saving it")
 
@@ -799,8 +840,11 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             if not probe_conn.poll(seconds + 60):  # type: ignore[union-attr]
                 raise RuntimeError("the latency probe did not answer")
             times = array.array("d")
-            times.frombytes(probe_conn.recv_bytes())  # type: ignore[union-attr]
-            errors, short = probe_conn.recv()  # type: ignore[union-attr]
+            try:
+                times.frombytes(probe_conn.recv_bytes())  # type: ignore[union-attr]
+                errors, short = probe_conn.recv()  # type: ignore[union-attr]
+            except EOFError:
+                raise RuntimeError(f"the latency probe died ({probe.exitcode})") from None
             return times, errors, short
 
         say(f"probing lookups on the idle daemon for {config.idle_seconds:g} s")
@@ -820,6 +864,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
                             name=f"kvtier-bench-worker-{inst}")
             p.start()
             procs.append(p)
+            _renice(p, config.client_nice)
             if slot is None:
                 workers.append(p)
                 instances.append(inst)
@@ -829,12 +874,17 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
 
         for _ in range(config.workers):
             start_worker(None)
-        storm = ctx.Process(target=_storm, args=(config, daemon.socket, counters, stop), name="kvtier-bench-storm")
-        storm.start()
-        procs.append(storm)
-        _wait_ready(counters, [STORM_ROW, *instances], [storm, *workers], 120)
+        storms = []
+        if config.storm:
+            storms.append(ctx.Process(target=_storm, args=(config, daemon.socket, counters, stop),
+                                      name="kvtier-bench-storm"))
+            storms[0].start()
+            procs.append(storms[0])
+            _renice(storms[0], config.client_nice)
+        _wait_ready(counters, [*([STORM_ROW] if config.storm else []), *instances], [*storms, *workers], 120)
 
-        say(f"load: {config.workers} workers, prefetch storm, kills every {config.kill_every_s:g} s, "
+        storm_text = "a prefetch storm" if config.storm else "no storm"
+        say(f"load: {config.workers} workers, {storm_text}, kills every {config.kill_every_s:g} s, "
             f"for {config.seconds:g} s")
         rng = random.Random(_seed(config.seed, 7))
         samples: list[Sample] = []
@@ -875,7 +925,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             samples.append(last)
 
         say("stopping the workers")
-        for p in [*workers, storm]:
+        for p in [*workers, *storms]:
             _stop_process(p, 15)
 
         say("auditing stored conversations")
@@ -909,6 +959,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             "demotions": int(stats.get("demotions", 0)),
             "promotions": int(stats.get("promotions", 0)),
             "prefetched": int(stats.get("prefetched", 0)),
+            "prefetches_dropped": int(stats.get("prefetches_dropped", 0)),
             "load_failures": int(stats.get("load_failures", 0)),
             "engine_load_failures": int(stats.get("engine_load_failures", 0)),
             "saved_chunks": int(stats.get("saved_chunks", 0)),
@@ -923,7 +974,8 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             daemon_stats[f"{name}_io_errors"] = int(t["io"]["errors"])
         stats_client.close()
         stats_client = None
-        exit_code = daemon.stop()
+        stop_s = daemon.stop(arena)
+        exit_code = daemon.proc.returncode if daemon.proc is not None else None
         log = daemon.log_text()
         gone = [tuple(map(int, m.groups())) for m in _GONE.finditer(log)]
         return DaemonBenchResult(
@@ -935,7 +987,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             samples=samples, workers_killed=killed, workers_restarted=restarted, worker_crashes=crashes,
             killed_pins_released=sum(g[0] for g in gone), killed_writes_orphaned=sum(g[1] for g in gone),
             daemon_warnings=_warnings(log),
-            daemon_exit_code=exit_code,
+            daemon_exit_code=exit_code, daemon_stop_s=stop_s,
             arena_removed=not (arena and os.path.exists(os.path.join("/dev/shm", arena))),
         )
     finally:
@@ -949,7 +1001,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
         if stats_client is not None:
             with contextlib.suppress(DaemonUnavailable, OSError):
                 stats_client.close()
-        daemon.stop()
+        daemon.stop(arena)
         if probe_conn is not None:
             probe_conn.close()
         shutil.rmtree(tmp, ignore_errors=True)

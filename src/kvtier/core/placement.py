@@ -313,9 +313,8 @@ class Placement:
     def _promoted(self, key: ChunkKey, level: int, copied: Copied) -> bool:
         if copied is Copied.SOURCE_LOST:
             self.forget(key, level)
-        if copied is Copied.PRESENT:
-            self.added(key, 0)
-            return True
+        if copied is Copied.PRESENT:  # another thread's copy landed (and is indexed already)
+            return self.index.holds(key, 0)
         if copied is not Copied.OK:
             return False
         self.added(key, 0)

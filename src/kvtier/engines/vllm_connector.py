@@ -140,6 +140,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._leases: list[tuple[ChunkTransfer, ReadLease]] = []
         self._copy_failed = False
         self._failed_blocks: set[int] = set()
+        self._bad_reqs: set[str] = set()
+        """Requests of this step whose load failed: what the step computes for them attended
+        to blocks that never arrived, so none of it is saved."""
         self._pending_saves: list[tuple[ChunkTransfer, WriteLease | None]] = []
 
     # -- geometry -------------------------------------------------------------------------------
@@ -222,6 +225,10 @@ class KVTierConnector(KVConnectorBase_V1):
             new_blocks = cached.new_block_ids[i]
             if new_blocks:
                 state.block_ids.extend(new_blocks[0])
+            if cached.num_computed_tokens[i] < state.saved * c:
+                # vLLM went back (blocks whose load failed are recomputed): those chunks were
+                # not saved (a step over a failed load saves nothing), so save them once redone
+                state.saved = cached.num_computed_tokens[i] // c
             self._plan_saves(meta, req_id, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], c)
         for req_id in so.finished_req_ids:
             self._requests.pop(req_id, None)
@@ -291,10 +298,12 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._failed_blocks = set()
+        self._bad_reqs = set()
         self._copy_failed = False
         if not meta.loads or not self._check_geometry():
             for load in meta.loads:  # nothing can be loaded: let vLLM recompute these blocks
                 self._failed_blocks.update(load.block_ids[load.skip_blocks :])
+                self._bad_reqs.add(load.req_id)
             return
         plan: list[tuple[ChunkTransfer, list[torch.Tensor]]] = []
         per_chunk = self.layout.chunk_tokens // self.block_size
@@ -306,7 +315,10 @@ class KVTierConnector(KVConnectorBase_V1):
             plan.append((load, views))
             # chunks the daemon could not give (lost, or the daemon died) are recomputed by vLLM
             loaded = (load.first_chunk + len(views)) * per_chunk
-            self._failed_blocks.update(load.block_ids[max(loaded, load.skip_blocks) :])
+            missing = load.block_ids[max(loaded, load.skip_blocks) :]
+            if missing:
+                self._failed_blocks.update(missing)
+                self._bad_reqs.add(load.req_id)
         self._load_events = [threading.Event() for _ in self._kv]
         self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
                                              name="kvtier-vllm-load")
@@ -354,6 +366,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._pending_saves = []
             if self._check_geometry():
                 for save in meta.saves:
+                    if save.req_id in self._bad_reqs:
+                        continue  # computed over blocks that never arrived: never saved
                     lease = self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
                     self._pending_saves.append((save, lease))
         per_chunk = self.layout.chunk_tokens // self.block_size
@@ -383,6 +397,7 @@ class KVTierConnector(KVConnectorBase_V1):
             if not intact or self._copy_failed:
                 end = first_block + len(lease.views) * per_chunk
                 self._failed_blocks.update(load.block_ids[max(first_block, load.skip_blocks) : end])
+                self._bad_reqs.add(load.req_id)
         self._leases = []
 
     def wait_for_save(self) -> None:
@@ -392,6 +407,10 @@ class KVTierConnector(KVConnectorBase_V1):
             self._load_events = []
         self._end_loads()
         for save, lease in self._pending_saves:
+            if save.req_id in self._bad_reqs:  # its load turned out lost: what it computed is not saved
+                if lease is not None:
+                    self.client.abandon(lease)
+                continue
             done = 0
             if lease is not None:
                 self.client.commit(lease)
@@ -408,8 +427,8 @@ class KVTierConnector(KVConnectorBase_V1):
         with torch.inference_mode():
             while done < len(save.keys):
                 lease = self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id)
-                if lease is None:
-                    return
+                if lease is None or not lease.views:
+                    return  # no room at all now (everything pinned), or the daemon is away
                 for j, view in enumerate(lease.views):
                     if view is None:
                         continue

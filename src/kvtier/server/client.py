@@ -51,6 +51,7 @@ from kvtier.transfer import LayerKV, check_kv, pack_chunk, unpack_layer
 log = logging.getLogger(__name__)
 
 HELD, BUSY = -1, -2
+WAIT_TIMEOUT_S = 120.0
 
 
 @dataclass(eq=False)
@@ -139,10 +140,20 @@ class StoreClient:
     def tier_names(self) -> list[str]:
         return self._link.tier_names
 
+    def _budget_ms(self) -> int:
+        """How long the daemon may take over an acquire or reserve (promoting, waiting for
+        room) before it answers with what it has: well within this client's timeout."""
+        return max(1, int(self.timeout_s * 1000 / 4))
+
+    def _wait_timeout(self, wait: bool) -> float | None:
+        """A call that waits for the daemon's SSD reads (a prefetch with ``wait``) may take
+        longer than ``timeout_s``; timing out would lose every lease of the connection."""
+        return max(self.timeout_s, WAIT_TIMEOUT_S) if wait else None
+
     def _failed(self, what: str, exc: Exception) -> None:
         self.errors += 1
         if not self._link.down_logged:
-            log.warning("kvtier daemon at %s: %s failed (%s); serving as cache misses", self.socket_path, what, exc)
+            log.warning("kvtier daemon at %s: %s failed (%s); serving as cache misses", self.socket_path, what, str(exc))  # a string: a record must not keep the frames (and views) alive
             self._link.down_logged = True
 
     # -- keys ---------------------------------------------------------------------------------
@@ -179,7 +190,8 @@ class StoreClient:
             with self._link.lock:
                 conn = self._link.connect()
                 reply = self._link.exchange(conn, {"op": "acquire", "lease": lease_id, "keys": list(keys),
-                                              "first": first, "tenant": tenant, "request": request})
+                                                   "first": first, "tenant": tenant, "request": request,
+                                                   "budget_ms": self._budget_ms()})
                 slots = reply.get("slots")
                 tiers = reply.get("tiers")
                 if not isinstance(slots, list) or not isinstance(tiers, list) or len(slots) > len(keys) \
@@ -222,7 +234,7 @@ class StoreClient:
             except LeaseLost as exc:
                 self.lost_leases += 1
                 self._link.lost_chunks += len(lease.keys)
-                log.warning("kvtier: read lease %d was lost (%s); its chunks are treated as misses", lease.id, exc)
+                log.warning("kvtier: read lease %d was lost (%s); its chunks are treated as misses", lease.id, str(exc))
                 return False
             except DaemonUnavailable as exc:
                 self.lost_leases += 1
@@ -242,15 +254,25 @@ class StoreClient:
         try:
             with self._link.lock:
                 conn = self._link.connect()
-                reply = self._link.exchange(conn, {"op": "reserve", "lease": lease_id, "keys": list(keys),
-                                              "first": first, "tenant": tenant, "request": request})
+                try:
+                    reply = self._link.exchange(conn, {"op": "reserve", "lease": lease_id, "keys": list(keys),
+                                                       "first": first, "tenant": tenant, "request": request,
+                                                       "budget_ms": self._budget_ms()})
+                except DaemonUnavailable:
+                    if conn.broken:  # the daemon may have granted it; we never saw its slots
+                        self._link.forget_later(conn, lease_id)
+                    raise
                 slots = reply.get("slots")
                 if not isinstance(slots, list) or len(slots) > len(keys):
                     self._link.drop(conn)
+                    self._link.forget_later(conn, lease_id)
                     raise DaemonUnavailable("the daemon's reserve reply is malformed")
+                if not slots:
+                    return None  # no room at all: every resident chunk is pinned or being written
                 granted = reply.get("lease")
                 if granted not in (None, lease_id) or (granted is None) != all(s in (HELD, BUSY) for s in slots):
                     self._link.drop(conn)
+                    self._link.forget_later(conn, lease_id)
                     raise DaemonUnavailable("the daemon's reserve reply names another lease")
                 try:
                     views = [None if s in (HELD, BUSY) else conn.arena.view(s, layout.chunk_bytes) for s in slots]
@@ -352,7 +374,7 @@ class StoreClient:
         stored = present = busy = done = 0
         while done < len(keys):
             lease = self.reserve(keys[done:], first=done, tenant=tenant, request=request)
-            if lease is None:
+            if lease is None or not lease.views:
                 break  # no room at all (every resident chunk pinned), or the daemon is away
             present += sum(lease.held)
             busy += sum(1 for v, h in zip(lease.views, lease.held, strict=True) if v is None and not h)
@@ -372,7 +394,8 @@ class StoreClient:
         """Ask the daemon to bring the held prefix of ``keys`` into DRAM (in the background, or
         before replying with ``wait``); how many it promoted (0 when not waited for)."""
         try:
-            _, reply = self._link.call("prefetch", keys=list(keys), first=first, wait=wait, tenant=tenant)
+            _, reply = self._link.call("prefetch", self._wait_timeout(wait), keys=list(keys), first=first,
+                                       wait=wait, tenant=tenant)
             return int(reply.get("promoted", 0))  # type: ignore[call-overload]
         except DaemonUnavailable as exc:
             self._failed("prefetch", exc)
@@ -383,7 +406,8 @@ class StoreClient:
         """A request waits to be served: the daemon's policies hear of it and its held chunks
         are prefetched into DRAM (:meth:`kvtier.cache.ChunkCache.queued`). 0 if unavailable."""
         try:
-            _, reply = self._link.call("queued", request_id=request_id, keys=list(keys), wait=wait, tenant=tenant)
+            _, reply = self._link.call("queued", self._wait_timeout(wait), request_id=request_id,
+                                       keys=list(keys), wait=wait, tenant=tenant)
             return int(reply.get("promoted", 0))  # type: ignore[call-overload]
         except DaemonUnavailable as exc:
             self._failed("queued", exc)
@@ -411,7 +435,7 @@ class StoreClient:
         """Wait until the daemon's background work (write-through copies, prefetches, uploads)
         is done; False on timeout or if the daemon is unavailable."""
         try:
-            return bool(self._link.call("flush", timeout_s=int(timeout))[1].get("done"))
+            return bool(self._link.call("flush", timeout + self.timeout_s, timeout_s=int(timeout))[1].get("done"))
         except DaemonUnavailable as exc:
             self._failed("flush", exc)
             return False

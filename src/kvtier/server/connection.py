@@ -111,6 +111,10 @@ class Link:
         self._forget.setdefault(conn.epoch, []).append(lease_id)
 
     def connect(self) -> Connection:
+        """The live connection, or a new one (after ``retry_s`` since the last failure). Lost
+        leases ended since the last request are named to the daemon first."""
+        if self._conn is not None and not self._conn.broken and (self._forget or self.lost_chunks):
+            self._send_forgets(self._conn)  # may drop it: then a new one below
         if self._conn is not None and not self._conn.broken:
             return self._conn
         now = time.monotonic()
@@ -195,8 +199,12 @@ class Link:
             self._conn = None
         self._next_try = time.monotonic() + self.retry_s
 
-    def exchange(self, conn: Connection, message: dict[str, object]) -> dict[str, object]:
+    def exchange(self, conn: Connection, message: dict[str, object],
+                 timeout: float | None = None) -> dict[str, object]:
+        """One request and its reply; ``timeout``: this call's own limit (default ``timeout_s``:
+        an operation that is meant to take long, a flush, says so instead of timing out)."""
         try:
+            conn.sock.settimeout(timeout if timeout is not None else self.timeout_s)
             protocol.send(conn.sock, message)
             reply = protocol.recv(conn.sock)
         except (OSError, protocol.ProtocolError) as exc:
@@ -211,7 +219,7 @@ class Link:
             raise DaemonUnavailable(str(reply.get("error"))[:500])
         return reply
 
-    def call(self, op: str, **fields: object) -> tuple[Connection, dict[str, object]]:
+    def call(self, op: str, timeout: float | None = None, **fields: object) -> tuple[Connection, dict[str, object]]:
         """A request that holds nothing: tried once more on a new connection if the one it
         went out on had been up before (the daemon may have restarted since)."""
         with self.lock:
@@ -219,7 +227,7 @@ class Link:
                 had = self._conn is not None and not self._conn.broken
                 conn = self.connect()
                 try:
-                    return conn, self.exchange(conn, {"op": op, **fields})
+                    return conn, self.exchange(conn, {"op": op, **fields}, timeout)
                 except LeaseLost:
                     raise
                 except DaemonUnavailable:

@@ -97,7 +97,7 @@ class StoreDaemon:
                                        shm_gid=access.group)
             self.cache = ChunkCache(dataclasses.replace(config.cache, host=host))
             self.leases = Leases(self.cache, access.orphan_grace_s)
-            raise_fd_limit(access.max_clients + 256)
+            raise_fd_limit(2 * access.max_clients + 256)  # a socket and a pidfd per client
             daemon = self
 
             class Handler(socketserver.BaseRequestHandler):
@@ -251,9 +251,15 @@ class StoreDaemon:
         self.cache.tag(keys, tenant)
         return ns, keys
 
-    def use_of(self, req: dict[str, object]) -> int | None:
+    @staticmethod
+    def request_name(session: _Session, request_id: str | None) -> str | None:
+        """A request id as the cache knows it: per client process (two vLLM instances both
+        number their requests "0", "1", ...)."""
+        return None if request_id is None else f"{session.peer.pid}/{request_id}"
+
+    def use_of(self, req: dict[str, object], session: _Session) -> int | None:
         assert self.cache is not None
-        return self.cache.use_of(protocol.text(req, "request"))
+        return self.cache.use_of(self.request_name(session, protocol.text(req, "request")))
 
     def snapshot(self) -> dict[str, object]:
         assert self.cache is not None

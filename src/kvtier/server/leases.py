@@ -34,6 +34,8 @@ from kvtier.tiers.base import Reservation
 
 log = logging.getLogger(__name__)
 
+MAX_FORGOTTEN = 1 << 16
+
 
 class LeaseEnded(KVTierError):
     """The lease named is not (or no longer) held on this connection."""
@@ -69,6 +71,9 @@ class Leases:
         self.grace_s = orphan_grace_s
         self._lock = threading.Lock()
         self._orphans: dict[tuple[bytes, int], _Orphan] = {}
+        self._forgotten: dict[tuple[bytes, int], float] = {}
+        """Leases a client said it ended before their connection's end reached the daemon (a
+        thread still busy on the old connection): freed at once when it does."""
         self.orphans_freed = 0
         self.orphans_expired = 0
 
@@ -98,8 +103,16 @@ class Leases:
                 pins += len(lease.keys)
             elif lease.writes:
                 with self._lock:
-                    self._orphans[(lease.client, lease.id)] = _Orphan(lease, watch, now + self.grace_s)
-                orphaned += len(lease.writes)
+                    told = self._forgotten.pop((lease.client, lease.id), None) is not None
+                    if not told:
+                        self._orphans[(lease.client, lease.id)] = _Orphan(lease, watch, now + self.grace_s)
+                if told:  # the client already said it stopped writing these slots
+                    for res in lease.writes.values():
+                        self.cache.commit(res, ok=False)
+                    lease.writes.clear()
+                    self.orphans_freed += 1
+                else:
+                    orphaned += len(lease.writes)
         held.clear()
         if not orphaned:
             watch.close()
@@ -110,9 +123,14 @@ class Leases:
         """The client has ended these leases (its caller no longer touches their views): free
         their slots. Returns how many reservations were freed."""
         freed = 0
+        now = time.monotonic()
         for lease_id in ids:
             with self._lock:
                 orphan = self._orphans.pop((client, lease_id), None)
+                if orphan is None:  # its connection's end may not have reached us yet
+                    self._forgotten[(client, lease_id)] = now + self.grace_s
+                    while len(self._forgotten) > MAX_FORGOTTEN:
+                        self._forgotten.pop(next(iter(self._forgotten)))
             if orphan is not None:
                 freed += self._free(orphan)
                 self.orphans_freed += 1
@@ -122,11 +140,14 @@ class Leases:
         """Free the orphans whose client process exited or whose grace period is over."""
         now = time.monotonic()
         with self._lock:
-            done = [(k, o) for k, o in self._orphans.items() if o.watch.exited() or now >= o.deadline]
+            exited = {id(o.watch): o.watch.exited() for o in self._orphans.values()}
+            done = [(k, o) for k, o in self._orphans.items() if exited[id(o.watch)] or now >= o.deadline]
             for k, _ in done:
                 del self._orphans[k]
+            for k in [k for k, t in self._forgotten.items() if t <= now]:
+                del self._forgotten[k]
         for _, orphan in done:
-            if not orphan.watch.exited():
+            if not exited[id(orphan.watch)]:
                 log.warning("freeing %d DRAM slots of lease %d after %.0f s: its client never said "
                             "it stopped writing them", len(orphan.lease.writes), orphan.lease.id, self.grace_s)
                 self.orphans_expired += 1

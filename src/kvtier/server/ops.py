@@ -7,6 +7,7 @@ and the client's session, and returns the reply. What a lease is and how it ends
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,12 +22,22 @@ from kvtier.tiers.base import Reservation
 if TYPE_CHECKING:
     from kvtier.server.daemon import StoreDaemon, _Session
 
+DEFAULT_BUDGET_MS = 1000
+
+
+def _deadline(req: dict[str, object]) -> float:
+    """When an acquire or reserve must answer by (the client's budget, within its timeout)."""
+    budget = protocol.integer(req, "budget_ms", 1, 60_000, default=DEFAULT_BUDGET_MS)
+    return time.monotonic() + budget / 1000
+
 
 def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     version = req.get("version")
     if version != protocol.VERSION:
         return {"ok": False, "refused": True,
                 "error": f"protocol version {version!r} is not this daemon's ({protocol.VERSION})"}
+    if session.client:
+        raise BadRequest("this connection has said hello already")
     client = req.get("client")
     if not isinstance(client, bytes) or len(client) != 16:
         raise BadRequest("hello needs a 16-byte client id")
@@ -65,7 +76,7 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
     assert daemon.cache is not None
-    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req))
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session))
     daemon.cache.count(lookup_tokens=n, hit_tokens=len(hit) * c)
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
@@ -76,8 +87,8 @@ def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     if lease_id in session.leases:
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
-    use = daemon.use_of(req)
-    held = daemon.cache.acquire(keys, entry=ns.shape, start=first, use=use)
+    use = daemon.use_of(req, session)
+    held = daemon.cache.acquire(keys, entry=ns.shape, start=first, use=use, deadline=_deadline(req))
     if held:
         daemon.leases.grant(session.leases, Lease(lease_id, session.client, False, [h.key for h in held],
                                                 first, use, sources=[h.source for h in held]))
@@ -106,13 +117,17 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     if lease_id in session.leases:
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
-    lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req))
+    lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req, session))
     slots: list[int] = []
     present = busy = 0
+    deadline = _deadline(req)
     try:
         for i, key in enumerate(keys):
+            if i and time.monotonic() > deadline:
+                break  # answer within the client's timeout: it asks again for the rest
             try:
-                res = daemon.cache.reserve(key, ns.shape, position=first + i, remaining=len(keys) - i)
+                res = daemon.cache.reserve(key, ns.shape, position=first + i, remaining=len(keys) - i,
+                                           deadline=deadline)
             except TierFullError:
                 break
             if res is Slot.HELD:
@@ -165,7 +180,7 @@ def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> 
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
-    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req), entry=ns.shape, wait=wait)
+    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req, session), entry=ns.shape, wait=wait)
     return {"ok": True, "promoted": n}
 
 def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
@@ -175,21 +190,22 @@ def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
         raise BadRequest("queued needs a request_id")
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
-    return {"ok": True, "promoted": daemon.cache.queued(request_id, keys, entry=ns.shape, wait=wait)}
+    name = daemon.request_name(session, request_id)
+    return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait)}  # type: ignore[arg-type]
 
 def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")
     if not request_id:
         raise BadRequest("started needs a request_id")
     assert daemon.cache is not None
-    daemon.cache.started(request_id)
+    daemon.cache.started(daemon.request_name(session, request_id))  # type: ignore[arg-type]
     return {"ok": True}
 
 def finished(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")
     if request_id:
         assert daemon.cache is not None
-        daemon.cache.finished(request_id)
+        daemon.cache.finished(daemon.request_name(session, request_id))  # type: ignore[arg-type]
     return {"ok": True}
 
 def stats(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:

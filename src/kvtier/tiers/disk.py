@@ -447,7 +447,8 @@ class DiskTier(Tier):
         finally:
             del reservation.buffer
             self._pool.give(staging)
-        return self._finish(key, charge, entry)
+            stored = self._finish(key, charge, entry)  # whatever happened: the charge ends
+        return stored
 
     def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
             position: int | None = None) -> bool:
@@ -629,12 +630,11 @@ class DiskTier(Tier):
             self.stats.corrupt += 1
         with self._lock:
             entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._used -= entry.file_bytes
-        try:
-            os.unlink(self._path(key))
-        except OSError:
-            pass
+            if entry is None or key in self._deleting:
+                return  # dropped by another reader meanwhile
+            self._used -= entry.file_bytes
+            self._deleting.add(key)  # no new copy of the key until the damaged file is gone
+        self._unlinks.put(key)
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -676,6 +676,11 @@ class DiskTier(Tier):
             with self._unlinked:
                 self._deleting.discard(key)
                 self._unlinked.notify_all()
+
+    def wait_deleted(self, key: ChunkKey, timeout: float = 1.0) -> bool:
+        """Wait until an earlier copy of ``key`` is unlinked (it can be written again then)."""
+        with self._unlinked:
+            return self._unlinked.wait_for(lambda: key not in self._deleting, timeout)
 
     def flush_deletes(self, timeout: float | None = 10.0) -> bool:
         """Wait until every deleted file is unlinked; False on timeout."""

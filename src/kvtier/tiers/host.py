@@ -120,7 +120,9 @@ class HostArena:
                 raise
             finally:
                 os.close(fd)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        # Through a memoryview, which every tensor over the arena keeps alive: while any view
+        # exists, closing the mapping fails (BufferError) instead of unmapping memory under it.
+        self.tensor = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         self._registered = False
 
     @staticmethod
@@ -167,11 +169,12 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            # A caller still holds a view; the mapping goes when the last view does.
-            pass
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still alive somewhere: the mapping goes with the last one
+            self._mmap = None
         if self._owner and self.shm_name is not None:
             try:
                 os.unlink(os.path.join(SHM_DIR, self.shm_name))
@@ -204,8 +207,9 @@ class _SizeClass:
     used: dict[int, int] = field(default_factory=dict)
     """Per extent it holds: slots in use (reserved or committed)."""
 
-    def free_slots(self) -> int:
-        return sum(len(f) for f in self.free.values())
+    def free_slots(self, draining: set[int] | frozenset[int] = frozenset()) -> int:
+        """Free slots, but those of extents being emptied (they are not handed out)."""
+        return sum(len(f) for e, f in self.free.items() if e not in draining)
 
 
 class HostTier(Tier):
@@ -304,7 +308,7 @@ class HostTier(Tier):
             if stride > self.extent_bytes:
                 return self._runs(stride // self.extent_bytes, count) >= count
             cls = self._classes.get(stride)
-            free = cls.free_slots() if cls is not None else 0
+            free = cls.free_slots(self._draining) if cls is not None else 0
             return free + self._free_extents * (self.extent_bytes // stride) >= count
 
     def fits(self, nbytes: int, count: int) -> bool:
