@@ -27,9 +27,11 @@ that is counted and forgotten; wrong bytes are never returned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -60,9 +62,10 @@ from kvtier.uploader import Uploader
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_DEFERRED_LOOKUPS = 4096
+"""Lookups whose touches wait for the lock at most; past that a lookup records them itself."""
 MAX_QUEUED_PREFETCHES = 256
 """Prefetches waiting for the background threads at most; more hints are dropped (counted)."""
-
 
 
 class ChunkCache:
@@ -127,6 +130,7 @@ class ChunkCache:
         self._requests = Requests()
         self._queued_prefetches = 0
         self._pending: set[Future] = set()
+        self._lookups: deque[tuple[PrefixHit, int, int | None, tuple[int, int] | None]] = deque()
         self._closed = False
         with self._lock:
             for level, tier in enumerate(self.tiers):
@@ -145,9 +149,7 @@ class ChunkCache:
             self._remote_level.tag(keys, tenant)
 
     # -- the lock -----------------------------------------------------------------------------
-    def _shaped(self, entry: Shape | None):  # type: ignore[no-untyped-def]
-        import contextlib
-
+    def _shaped(self, entry: Shape | None) -> contextlib.AbstractContextManager[None]:
         return self.mover.shaped(entry) if entry is not None else contextlib.nullcontext()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -193,30 +195,54 @@ class ChunkCache:
             return seq
 
     def use_of(self, request_id: str | None) -> int | None:
-        """The number of a queued or started request (None for an unknown one)."""
-        with self._lock:
-            return self._requests.use_of(request_id)
+        """The number of a queued or started request (None for an unknown one). Two dict reads,
+        without the lock: a lookup does not wait for it."""
+        return self._requests.use_of(request_id)
 
     def finished(self, request_id: str) -> None:
         with self._lock:
             self._requests.finished(request_id)
 
     # -- lookup -------------------------------------------------------------------------------
-    def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None) -> PrefixHit:
+    def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None,
+                    tokens: tuple[int, int] | None = None) -> PrefixHit:
         """The longest run of held chunks from the first (remote tier asked for those past the
-        locally held prefix, outside the lock); touches them."""
+        locally held prefix, outside the lock); touches them.
+
+        Waits for nobody: the index is read without the lock (its reads are single dict reads;
+        a lookup is advice -- every read that follows checks again what it finds), and the
+        touch and the counts are recorded by whoever holds the lock next (at once if nobody
+        does), so a lookup never queues behind another client's bookkeeping. ``tokens``: the
+        lookup's (tokens looked up, tokens per chunk), for the token counts."""
         keys = list(keys)
         if self._remote_level is not None:
             self._remote_level.probe(keys)
-        with self._lock:
-            hit = self.placement.lookup(keys, use=use)
-            st = self.stats
+        hit = self.index.longest_prefix(keys)
+        self._lookups.append((hit, len(keys), use, tokens))
+        if len(self._lookups) > MAX_DEFERRED_LOOKUPS:
+            with self._lock:
+                self._record_lookups()
+        elif self._lock.acquire(blocking=False):
+            try:
+                self._record_lookups()
+            finally:
+                self._lock.release()
+        return hit
+
+    def _record_lookups(self) -> None:
+        """Touch and count the lookups made since (under the lock)."""
+        st, tiers, lookups = self.stats, self.tiers, self._lookups
+        while lookups:
+            hit, n, use, tokens = lookups.popleft()
+            self.placement.touch(hit.keys, use=use)
             st.lookups += 1
-            absent = len(keys) - len(hit)
-            for level, tier in enumerate(self.tiers):
+            if tokens is not None:
+                st.lookup_tokens += tokens[0]
+                st.hit_tokens += len(hit) * tokens[1]
+            absent = n - len(hit)
+            for level, tier in enumerate(tiers):
                 st.hits[tier.name] += hit.levels.count(level)
                 st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
-        return hit
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -254,6 +280,7 @@ class ChunkCache:
         keys = list(keys)
         out: list[Held] = []
         with self._lock, self._shaped(entry):
+            self._record_lookups()
             if self.remote_level is not None:  # a run held in the remote tier: one round trip
                 lost = self.placement.stats.lost
                 self.placement.promote_prefix(keys, level=self.remote_level)
@@ -364,6 +391,7 @@ class ChunkCache:
 
         def work() -> int:
             with self._lock, self._shaped(entry):
+                self._record_lookups()
                 return self.placement.prefetch(keys, start=start, use=use)
 
         if wait:
@@ -414,6 +442,7 @@ class ChunkCache:
         wait_until = time.monotonic() + self.config.room_wait_s
         deadline = wait_until if deadline is None else min(deadline, wait_until)
         with self._lock, self._shaped(shape):
+            self._record_lookups()
             state = self._slot_state(key)
             if state is not None:
                 return state
@@ -498,6 +527,7 @@ class ChunkCache:
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
         with self._lock:
+            self._record_lookups()
             s, ps = self.stats, self.placement.stats
             return {
                 "tiers": {

@@ -168,9 +168,8 @@ class KVStore:
                     request: str | None = None) -> LookupResult:
         """:meth:`lookup` for store keys already computed (:meth:`keys_for`)."""
         c = self.layout.chunk_tokens
-        hit = self.cache.lookup_keys(keys, use=self.cache.use_of(request))
         n = len(keys) * c if num_tokens is None else num_tokens
-        self.cache.count(lookup_tokens=n, hit_tokens=len(hit) * c)
+        hit = self.cache.lookup_keys(keys, use=self.cache.use_of(request), tokens=(n, c))
         return LookupResult(num_tokens=n, hit_tokens=len(hit) * c, keys=hit.keys,
                             tiers=[self.cache.tiers[lvl].name for lvl in hit.levels])
 

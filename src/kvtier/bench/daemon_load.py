@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -275,6 +276,21 @@ class DaemonBenchResult:
     """How long the daemon took to exit after SIGTERM."""
     arena_removed: bool = True
     """The daemon's shared-memory arena is gone from /dev/shm after the run."""
+    daemon_lookups: dict[float, float] = field(default_factory=dict)
+    """The daemon's own lookup handling times under load: bound in seconds -> lookups (every
+    client's) that took at most that long, from its Prometheus histogram."""
+
+    def daemon_side(self) -> dict[str, object]:
+        """What share of lookups the daemon handled within 1 and 2 ms under load, and the
+        histogram bucket its p99 falls in: the daemon's part of the latency, without the
+        scheduling of the probe's process."""
+        h = self.daemon_lookups
+        total = h.get(math.inf, 0.0)
+        if not total:
+            return {}
+        p99 = next((le for le in sorted(h) if h[le] >= 0.99 * total), math.inf)
+        return {"lookups": int(total), "within_1ms": h.get(1e-3, 0.0) / total,
+                "within_2ms": h.get(2e-3, 0.0) / total, "p99_at_most_ms": p99 * 1e3}
 
     @property
     def wrong_tokens(self) -> int:
@@ -353,6 +369,7 @@ class DaemonBenchResult:
                 "p99_ratio": ratio,
                 "probe_errors": self.probe_errors,
                 "probe_short_hits": self.probe_short_hits,
+                "daemon_side": self.daemon_side(),
             },
             "memory": self.memory(),
             "workers_killed": self.workers_killed,
@@ -628,7 +645,7 @@ class _Daemon:
         self.log = os.path.join(tmp, "daemon.log")
         self.cmd = [*_kvtier_command(), "store", "serve", "--socket", self.socket,
                     "--host-bytes", str(config.host_bytes), "--disk-path", os.path.join(tmp, "ssd"),
-                    "--disk-bytes", str(config.disk_bytes)]
+                    "--disk-bytes", str(config.disk_bytes), "--metrics-port", "0"]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> None:
@@ -672,6 +689,23 @@ class _Daemon:
             return Path(self.log).read_text(errors="replace")
         except OSError:
             return ""
+
+    def lookup_histogram(self) -> dict[float, float]:
+        """The daemon's own histogram of lookup handling times (its Prometheus endpoint):
+        upper bound in seconds -> lookups that took at most that long, since it started."""
+        m = re.search(r"metrics on (http://\S+)", self.log_text())
+        if m is None:
+            return {}
+        try:
+            body = urllib.request.urlopen(m.group(1), timeout=10).read().decode()
+        except OSError:
+            return {}
+        out: dict[float, float] = {}
+        for line in body.splitlines():
+            hit = re.fullmatch(r'kvtier_op_seconds_bucket\{le="([^"]+)",op="lookup"\} (\S+)', line)
+            if hit:
+                out[float(hit.group(1))] = float(hit.group(2))
+        return out
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
@@ -891,6 +925,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
         killed = restarted = crashes = 0
         start = time.monotonic()
         measure(config.seconds)
+        histogram_before = daemon.lookup_histogram()
         end = start + config.seconds
         next_sample, next_kill = start, start + (config.kill_every_s or math.inf)
         while (now := time.monotonic()) < end:
@@ -918,6 +953,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
                 next_kill += config.kill_every_s
             time.sleep(max(0.0, min(next_sample, next_kill, end) - time.monotonic()))
         stop.value = 1
+        histogram_after = daemon.lookup_histogram()
         loaded_times, loaded_errors, loaded_short = measured(0)
         loaded_s = time.monotonic() - start
         last = daemon.sample(loaded_s)
@@ -989,6 +1025,7 @@ def run_daemon_bench(config: DaemonBenchConfig | None = None,
             daemon_warnings=_warnings(log),
             daemon_exit_code=exit_code, daemon_stop_s=stop_s,
             arena_removed=not (arena and os.path.exists(os.path.join("/dev/shm", arena))),
+            daemon_lookups={le: n - histogram_before.get(le, 0.0) for le, n in histogram_after.items()},
         )
     finally:
         stop.value = 1

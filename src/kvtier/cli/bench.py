@@ -390,6 +390,11 @@ def _print_daemon(result: DaemonBenchResult) -> None:
         table.add_row(name, str(lt.count), f"{lt.p50_ms:.3f}", p99, f"{lt.max_ms:.3f}", f"{lt.mean_ms:.3f}")
     table.add_row("ratio", "", f"{lat['p50_ratio']:.2f}", f"{lat['p99_ratio']:.2f}", "", "")
     console.print(table)
+    side = lat.get("daemon_side") or {}
+    if side:
+        console.print(f"the daemon's own handling of every client's lookups under load (its histogram): "
+                      f"{side['lookups']} lookups, {side['within_1ms']:.2%} within 1 ms, "
+                      f"{side['within_2ms']:.2%} within 2 ms, p99 at most {side['p99_at_most_ms']:g} ms")
 
     checks = Table(title="invariants")
     checks.add_column("check")

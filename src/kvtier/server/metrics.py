@@ -86,7 +86,7 @@ class Metrics:
         self.latency = Histogram(
             "kvtier_op_seconds", "Daemon operation latency (acquire = load, commit = save)",
             ["op"], registry=self.registry,
-            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+            buckets=(1e-5, 3e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
         )
         self._server = None
 

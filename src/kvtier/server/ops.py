@@ -76,8 +76,7 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
     assert daemon.cache is not None
-    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session))
-    daemon.cache.count(lookup_tokens=n, hit_tokens=len(hit) * c)
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c))
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
 def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
