@@ -451,10 +451,12 @@ class ChunkCache:
                     f"no DRAM slot for the chunk: the {self.config.policy} policy did not admit it")
             while not self.placement.make_room(0, entry=shape):
                 left = deadline - time.monotonic()
-                if not self.placement.evicting(0) or left <= 0:
+                if not (self.placement.evicting(0) or self.mover.in_flight) or left <= 0:
                     self.placement.stats.dropped += remaining
                     raise TierFullError("no DRAM slot for the chunk: every resident chunk is pinned")
-                self._changed.wait(left)  # type: ignore[union-attr]  # another thread frees one
+                # another thread's eviction, or a move holding pins (a write-through copy),
+                # will end soon: wait for it rather than refuse the chunk
+                self._changed.wait(left)  # type: ignore[union-attr]
                 state = self._slot_state(key)
                 if state is not None:
                     return state

@@ -119,20 +119,26 @@ class TierMover:
                 if src != dst and (src, dst) in HANDLER_THREADS:
                     self.transfers.register(src, dst)
         self._local = threading.local()
+        self.in_flight = 0
+        """Moves running now with the lock released (read and written under the lock)."""
         self._drains: dict[ChunkKey, int] = {}  # first key of a group being evicted -> its region
 
     # -- the caller's lock --------------------------------------------------------------------
     @contextlib.contextmanager
     def unlocked(self) -> Iterator[None]:
-        """Release the store's lock for the body (the caller holds it)."""
+        """Release the store's lock for the body (the caller holds it): a move is in flight,
+        holding pins or reservations that end with it (:attr:`in_flight`)."""
         if self._lock is None:
             yield
             return
+        self.in_flight += 1
         self._lock.release()
         try:
             yield
         finally:
             self._lock.acquire()
+            self.in_flight -= 1
+            self.notify()  # its pins and reservations may end now: room for a waiting writer
 
     def notify(self) -> None:
         """Wake whoever waits for a reservation to end (call under the lock)."""
