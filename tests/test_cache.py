@@ -286,3 +286,93 @@ def test_an_ssd_eviction_during_a_dram_drain_does_not_end_the_drain(layout, tmp_
         gate.open.set()
         t.join(10)
         assert seen["draining"]  # still draining while its second chunk was demoted
+
+
+def _dram_pinned_with_a_promotion_stuck(store, layout):
+    """DRAM (4 chunks) holds 3 chunks pinned by readers and 1 slot taken by a promotion whose SSD
+    read hangs. Returns (gate, loader thread, pinned keys)."""
+    a = list(range(4 * C))
+    store.save(a, make_kv(layout, 4 * C, seed=1))
+    store.save(list(range(1000, 1000 + 4 * C)), make_kv(layout, 4 * C, seed=2))  # a -> SSD
+    pinned = [k for k in store.keys_for(list(range(1000, 1000 + 4 * C)))[:3] if store.cache.pin_dram(k)]
+    assert len(pinned) == 3
+    gate = Gate()
+    disk = store.cache.disk
+    disk.get_into = gate.wrap(disk.get_into)
+    hit = store.lookup(a)
+    loader = threading.Thread(target=lambda: store.load(hit))  # promotes a[0] into the 4th slot
+    loader.start()
+    assert gate.entered.wait(10)
+    return gate, loader, pinned
+
+
+def test_a_save_with_no_room_does_not_wait_for_a_move_that_frees_nothing(layout, tmp_path):
+    """An SSD -> DRAM promotion in flight frees no DRAM when it ends, so a save that finds no room
+    is refused at once instead of waiting the room deadline for it."""
+    with store_of(layout, host_chunks=4, tmp_path=tmp_path) as store:
+        gate, loader, _ = _dram_pinned_with_a_promotion_stuck(store, layout)
+        try:
+            t0 = time.monotonic()
+            res = store.save(list(range(2000, 2000 + C)), make_kv(layout, C, seed=3))
+            took = time.monotonic() - t0
+            assert res.stored == 0
+            assert took < 1.0, f"a save with no room waited {took:.2f}s for a move that frees nothing"
+        finally:
+            gate.open.set()
+            loader.join(30)
+
+
+def test_a_release_that_makes_room_wakes_a_waiting_save(layout, tmp_path):
+    """While the pins hold, a save waits (a DRAM copy-out is in flight). Readers releasing their
+    pins after 0.2 s make room, and the waiting save must wake then, not at its deadline."""
+    with store_of(layout, host_chunks=4, tmp_path=tmp_path) as store:
+        gate, loader, pinned = _dram_pinned_with_a_promotion_stuck(store, layout)
+        cache = store.cache
+        try:
+            # a DRAM copy-out in flight makes a save wait for room (it would free a pin)
+            with cache._lock:
+                cache.mover.in_flight += 1
+            threading.Timer(0.2, lambda: cache.release(pinned)).start()
+            t0 = time.monotonic()
+            res = store.save(list(range(2000, 2000 + C)), make_kv(layout, C, seed=3))
+            took = time.monotonic() - t0
+            assert res.stored == 1
+            assert took < 1.5, f"the save slept {took:.2f}s although room was free after 0.2 s"
+        finally:
+            with cache._lock:
+                cache.mover.in_flight -= 1
+            gate.open.set()
+            loader.join(30)
+
+
+def test_a_lookup_made_while_the_lock_is_held_counts_before_the_next_eviction(layout, tmp_path):
+    """A lookup never waits for the lock: its touch is recorded by the next holder. A promotion
+    that evicts must record it first, so LRU evicts the chunk nobody asked for (B), not A."""
+    with store_of(layout, host_chunks=2, tmp_path=tmp_path, write_through=True) as store:
+        ka = store.keys_for(list(range(C)))
+        kb = store.keys_for(list(range(500, 500 + C)))
+        kc = store.keys_for(list(range(900, 900 + C)))
+        store.save(list(range(900, 900 + C)), make_kv(layout, C, seed=3))  # C
+        store.save(list(range(C)), make_kv(layout, C, seed=1))  # A
+        store.save(list(range(500, 500 + C)), make_kv(layout, C, seed=2))  # B; C now on SSD only
+        store.flush()
+        cache = store.cache
+        assert cache.index.fastest(kc[0]) == 1 and cache.index.fastest(ka[0]) == 0
+        holding, release = threading.Event(), threading.Event()
+
+        def hold():
+            with cache._lock:
+                holding.set()
+                release.wait(5)
+
+        before = store.stats.lookups  # (takes the lock)
+        t = threading.Thread(target=hold)
+        t.start()
+        assert holding.wait(5)
+        assert store.lookup(list(range(C))).hit_tokens == C  # A is the most recently used now
+        assert cache._lock.locked() and t.is_alive()  # so its touch was deferred
+        release.set()
+        t.join()
+        assert store.stats.lookups == before + 1
+        assert store.read_entry(kc[0]) is not None  # promotes C into DRAM: evicts the LRU chunk
+        assert cache.index.holds(ka[0], 0) and not cache.index.holds(kb[0], 0)

@@ -68,6 +68,27 @@ MAX_QUEUED_PREFETCHES = 256
 """Prefetches waiting for the background threads at most; more hints are dropped (counted)."""
 
 
+class _Section:
+    """``with cache._section:`` -- the cache's lock, and the lookups made without it recorded
+    first (their touches come before any eviction the section makes, and every count read is
+    whole)."""
+
+    def __init__(self, lock: threading.Lock, record: Callable[[], None]) -> None:
+        self._lock = lock
+        self._record = record
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            self._record()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class ChunkCache:
     """Entries across a host DRAM tier, an optional SSD tier and an optional remote tier."""
 
@@ -115,6 +136,7 @@ class ChunkCache:
                                      config.remote.max_queued)  # type: ignore[union-attr]
         self.remote_level = len(self.tiers) - 1 if self.remote is not None else None
         self._lock = threading.Lock()
+        self._section = _Section(self._lock, self._record_lookups)
         self.mover = TierMover(self.tiers, host, config.chunk, self.uploader,
                                lambda key, ok: self._remote_level.uploaded(key, ok),  # type: ignore[union-attr]
                                self._lock, position_of=lambda key: self.index.position(key))
@@ -132,7 +154,7 @@ class ChunkCache:
         self._pending: set[Future] = set()
         self._lookups: deque[tuple[PrefixHit, int, int | None, tuple[int, int] | None]] = deque()
         self._closed = False
-        with self._lock:
+        with self._section:
             for level, tier in enumerate(self.tiers):
                 if level == self.remote_level:
                     continue  # shared and large: its chunks are found by lookups, not listed
@@ -156,7 +178,7 @@ class ChunkCache:
         """Wait until background work (write-through copies, queued prefetches, uploads to the
         remote tier, SSD unlinks) is done; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._section:
             pending = list(self._pending)
         for future in pending:  # everything submitted before this call
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -177,7 +199,7 @@ class ChunkCache:
         the next number in arrival order, the policies with a look-ahead hear of it, and its
         held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background).
         Returns how many were promoted (0 when not waited for)."""
-        with self._lock:
+        with self._section:
             seq = self._requests.queued(request_id)
             if self.placement.lookahead:
                 self.placement.hint(seq, list(keys))
@@ -188,7 +210,7 @@ class ChunkCache:
         never announced with :meth:`queued` gets its number now. Requests are assumed to start
         roughly in arrival order: starting one also ends the look-ahead protection of those that
         arrived before it. Returns its number, the ``use`` of its touches."""
-        with self._lock:
+        with self._section:
             seq, new = self._requests.started(request_id)
             if new:
                 self.placement.begin(seq, time.monotonic())
@@ -200,7 +222,7 @@ class ChunkCache:
         return self._requests.use_of(request_id)
 
     def finished(self, request_id: str) -> None:
-        with self._lock:
+        with self._section:
             self._requests.finished(request_id)
 
     # -- lookup -------------------------------------------------------------------------------
@@ -220,8 +242,8 @@ class ChunkCache:
         hit = self.index.longest_prefix(keys)
         self._lookups.append((hit, len(keys), use, tokens))
         if len(self._lookups) > MAX_DEFERRED_LOOKUPS:
-            with self._lock:
-                self._record_lookups()
+            with self._section:  # records them on entry
+                pass
         elif self._lock.acquire(blocking=False):
             try:
                 self._record_lookups()
@@ -234,7 +256,10 @@ class ChunkCache:
         st, tiers, lookups = self.stats, self.tiers, self._lookups
         while lookups:
             hit, n, use, tokens = lookups.popleft()
-            self.placement.touch(hit.keys, use=use)
+            try:
+                self.placement.touch(hit.keys, use=use)
+            except Exception:  # another caller's bookkeeping must not fail this one
+                log.exception("recording a lookup failed")
             st.lookups += 1
             if tokens is not None:
                 st.lookup_tokens += tokens[0]
@@ -245,12 +270,12 @@ class ChunkCache:
                 st.misses[tier.name] += absent + sum(1 for lvl in hit.levels if lvl > level)
 
     def contains(self, key: ChunkKey) -> bool:
-        with self._lock:
+        with self._section:
             return key in self.index
 
     def states(self, key: ChunkKey) -> dict[str, EntryState]:
         """The entry's state in each tier that has it (the remote tier as the index knows it)."""
-        with self._lock:
+        with self._section:
             out: dict[str, EntryState] = {}
             for level, tier in enumerate(self.tiers):
                 if level == 0 and self.host.reserving(key):
@@ -279,8 +304,7 @@ class ChunkCache:
         timeout; the client asks again for the rest)."""
         keys = list(keys)
         out: list[Held] = []
-        with self._lock, self._shaped(entry):
-            self._record_lookups()
+        with self._section, self._shaped(entry):
             if self.remote_level is not None:  # a run held in the remote tier: one round trip
                 lost = self.placement.stats.lost
                 self.placement.promote_prefix(keys, level=self.remote_level)
@@ -322,9 +346,10 @@ class ChunkCache:
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
         """Undo :meth:`acquire`'s pins."""
-        with self._lock:
+        with self._section:
             for key in keys:
                 self.host.unpin(key)
+            self._changed.notify_all()  # type: ignore[union-attr]  # a writer may be waiting for room
 
     def read(self, key: ChunkKey, read: Callable[[int, Tier], T | None], *,
              promote: bool = True, entry: Shape | None = None) -> tuple[T, int] | None:
@@ -333,7 +358,7 @@ class ChunkCache:
         found in before promotion. A failed read is counted, that copy forgotten, and the next
         tier tried; None if none could be read."""
         while True:
-            with self._lock, self._shaped(entry):
+            with self._section, self._shaped(entry):
                 found = self.index.fastest(key)
                 if found is None:
                     return None
@@ -349,7 +374,7 @@ class ChunkCache:
                     got = read(level, tier)
                 raised = False
             finally:
-                with self._lock:
+                with self._section:
                     if held:
                         tier.unpin(key)
                     kept = False
@@ -367,7 +392,7 @@ class ChunkCache:
 
     def forget(self, key: ChunkKey) -> None:
         """Forget ``key`` in every tier (an object that cannot be completed)."""
-        with self._lock:
+        with self._section:
             for level in self.index.levels(key):
                 self._forget(key, level)
 
@@ -390,13 +415,12 @@ class ChunkCache:
         keys = list(keys)
 
         def work() -> int:
-            with self._lock, self._shaped(entry):
-                self._record_lookups()
+            with self._section, self._shaped(entry):
                 return self.placement.prefetch(keys, start=start, use=use)
 
         if wait:
             return work()
-        with self._lock:
+        with self._section:
             if self._closed or self._queued_prefetches >= MAX_QUEUED_PREFETCHES:
                 self.stats.prefetches_dropped += 1  # a storm of hints must not queue without end
                 return 0
@@ -406,7 +430,7 @@ class ChunkCache:
             try:
                 return work()
             finally:
-                with self._lock:
+                with self._section:
                     self._queued_prefetches -= 1
 
         self._submit(queued)
@@ -441,8 +465,7 @@ class ChunkCache:
         shape = Shape(slot_bytes, entry.segment_bytes) if slot_bytes else entry
         wait_until = time.monotonic() + self.config.room_wait_s
         deadline = wait_until if deadline is None else min(deadline, wait_until)
-        with self._lock, self._shaped(shape):
-            self._record_lookups()
+        with self._section, self._shaped(shape):
             state = self._slot_state(key)
             if state is not None:
                 return state
@@ -476,7 +499,7 @@ class ChunkCache:
         """Publish (or abandon) a reserved entry. Returns False if nothing was stored, else True
         or, with ``write_through`` (or a write-through remote tier), the Future of its copy
         down, which the caller may wait for."""
-        with self._lock:
+        with self._section:
             try:
                 stored = self.host.commit(res, ok=ok)
             finally:
@@ -493,34 +516,40 @@ class ChunkCache:
             return True
 
     def _write_through(self, key: ChunkKey) -> None:
-        with self._lock:
+        with self._section:
             if self.index.holds(key, 0):
                 self.placement.demote(key, 0)
 
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
               use: int | None = None) -> None:
-        with self._lock:
+        with self._section:
             self.placement.touch(list(keys), cost_s, start=start, use=use)
 
     def pin_dram(self, key: ChunkKey) -> bool:
-        with self._lock:
+        with self._section:
             return self.host.pin(key)
 
     def unpin_dram(self, key: ChunkKey) -> None:
-        with self._lock:
+        with self._section:
             self.host.unpin(key)
+            self._changed.notify_all()  # type: ignore[union-attr]
 
     # -- introspection ------------------------------------------------------------------------
+    def recorded_stats(self) -> StoreStats:
+        """The counters, every lookup made so far counted."""
+        with self._section:
+            return self.stats
+
     def count(self, **deltas: int) -> None:
         """Add to the store's counters (``lookup_tokens=...``), under the lock."""
-        with self._lock:
+        with self._section:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def count_loaded(self, took: Iterable[tuple[str, int]], had: int = 0, failed: int = 0) -> None:
         """What an engine reports it took: ``(tier found in, tokens)`` per chunk, the tokens it
         already had, and the chunks it could not load."""
-        with self._lock:
+        with self._section:
             for tier, tokens in took:
                 self.stats.loaded_tokens[tier] += tokens
             self.stats.had_tokens += had
@@ -528,8 +557,7 @@ class ChunkCache:
 
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
-        with self._lock:
-            self._record_lookups()
+        with self._section:
             s, ps = self.stats, self.placement.stats
             return {
                 "tiers": {
@@ -540,6 +568,8 @@ class ChunkCache:
                         "hits": s.hits[t.name],
                         "misses": s.misses[t.name],
                         "evictions": ps.evictions[level],
+                        "pinned": t.pinned_count(),
+                        "reserved": t.reserved_count(),
                         "io": t.stats.as_dict(),
                     }
                     for level, t in enumerate(self.tiers)
@@ -571,7 +601,7 @@ class ChunkCache:
             self.uploader.flush(timeout=30)
             self.uploader.close()  # an upload still running keeps its DRAM view, and the arena
         self.mover.close()
-        with self._lock:  # the remote tier first: it waits for reads it gave up on into DRAM slots
+        with self._section:  # the remote tier first: it waits for reads it gave up on into DRAM slots
             for tier in reversed(self.tiers):
                 tier.close()
 

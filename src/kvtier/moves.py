@@ -120,25 +120,27 @@ class TierMover:
                     self.transfers.register(src, dst)
         self._local = threading.local()
         self.in_flight = 0
-        """Moves running now with the lock released (read and written under the lock)."""
+        """Copies out of DRAM running now with the lock released (under the lock)."""
         self._drains: dict[ChunkKey, int] = {}  # first key of a group being evicted -> its region
 
     # -- the caller's lock --------------------------------------------------------------------
     @contextlib.contextmanager
-    def unlocked(self) -> Iterator[None]:
-        """Release the store's lock for the body (the caller holds it): a move is in flight,
-        holding pins or reservations that end with it (:attr:`in_flight`)."""
+    def unlocked(self, frees_dram: bool = False) -> Iterator[None]:
+        """Release the store's lock for the body (the caller holds it). ``frees_dram``: the body
+        is a copy out of DRAM whose pin ends with it (a demotion, a write-through, an upload):
+        counted in :attr:`in_flight`, for a writer waiting for room."""
         if self._lock is None:
             yield
             return
-        self.in_flight += 1
+        self.in_flight += frees_dram
         self._lock.release()
         try:
             yield
         finally:
             self._lock.acquire()
-            self.in_flight -= 1
-            self.notify()  # its pins and reservations may end now: room for a waiting writer
+            if frees_dram:
+                self.in_flight -= 1
+                self.notify()  # its pin may end now: room for a waiting writer
 
     def notify(self) -> None:
         """Wake whoever waits for a reservation to end (call under the lock)."""
@@ -267,7 +269,7 @@ class TierMover:
         seg = self.host.segment_of(key)
         position = self._position_of(key)
         try:
-            with self.unlocked():
+            with self.unlocked(frees_dram=True):
                 if isinstance(target, DiskTier):
                     target.wait_deleted(key)  # an old copy of the key still being unlinked
                     stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, position=position)
@@ -383,7 +385,7 @@ class TierMover:
         seg = shape.segment_bytes if shape is not None else None
         if move.src == 0:
             view = self.host.view(key)
-            with self.unlocked():
+            with self.unlocked(frees_dram=True):
                 data: torch.Tensor | None = view.clone()
         else:
             with self.unlocked():

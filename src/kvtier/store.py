@@ -100,7 +100,7 @@ class KVStore:
 
     @property
     def stats(self) -> StoreStats:
-        return self.cache.stats
+        return self.cache.recorded_stats()
 
     @property
     def tier_names(self) -> list[str]:

@@ -45,7 +45,8 @@ def test_nothing_leaks_though_workers_are_killed(run):
     data, _ = run
     assert data["workers_killed"] >= 1 and data["workers_restarted"] >= data["workers_killed"]
     assert data["worker_crashes"] == 0
-    assert data["leaks"] == {"pinned_chunks": 0, "writes_in_flight": 0, "orphaned_writes": 0}
+    assert data["leaks"] == {"pinned_chunks": 0, "writes_in_flight": 0, "orphaned_writes": 0,
+                             "dram_pins": 0, "dram_reservations": 0}  # per lease, and in the DRAM tier itself
     assert data["settled_s"] is not None and data["flush_s"] is not None
     assert data["daemon"]["clients_after"] == 1  # only the benchmark's own stats connection
     assert data["client_errors"] == 0 and data["latency"]["probe_errors"] == 0

@@ -7,13 +7,18 @@ from __future__ import annotations
 import gc
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvtier.cache import CacheConfig
 from kvtier.server.client import StoreClient
+from kvtier.server.daemon import DaemonConfig, StoreDaemon
+from kvtier.tiers.host import HostTierConfig
 
 from ..conftest import make_kv
 from .test_daemon import LAYOUT, MODEL, Daemon, assert_loaded, out_buffers
@@ -318,3 +323,64 @@ def test_a_second_hello_on_one_connection_is_refused(tmp_path):
     finally:
         client.close()
         daemon.stop()
+
+
+def test_a_client_with_a_long_timeout_still_acquires_and_saves(tmp_path):
+    """The budget a client gives the daemon for an acquire or reserve is capped on both sides:
+    a timeout of minutes must not make every acquire and reserve a refused request."""
+    daemon = Daemon(tmp_path, host_chunks=8).start()
+    ok, slow = daemon.client(), daemon.client(timeout_s=300.0)
+    try:
+        tokens = list(range(2 * C))
+        kv = make_kv(LAYOUT, 2 * C, seed=1)
+        assert ok.save(tokens, kv).stored == 2
+        lease = slow.acquire(slow.keys_for(tokens))
+        assert lease is not None and slow.release(lease)
+        assert slow.save(list(range(100, 100 + 2 * C)), make_kv(LAYOUT, 2 * C, seed=2)).stored == 2
+        out = out_buffers(2 * C)
+        assert slow.load(slow.lookup(tokens), out).tokens == 2 * C
+        assert_loaded(out, kv, 2 * C)
+        assert slow.errors == 0
+    finally:
+        ok.close()
+        slow.close()
+        daemon.stop()
+
+
+REQUEST_USER = """
+import sys
+from kvtier.core.layout import KVLayout
+from kvtier.server.client import StoreClient
+c = StoreClient(sys.argv[1], model="tiny@test", layout=KVLayout(4, 2, 32, "float32", 16),
+                instance=sys.argv[2] or None)
+lease = c.acquire(c.keys_for(list(range(32))), request="req-1")
+assert lease is not None and c.release(lease)
+c.close()
+"""
+
+
+def test_a_request_started_by_the_scheduler_is_known_to_the_workers_of_its_instance(tmp_path):
+    """vLLM's scheduler announces a request; its workers, other processes, acquire for it. The
+    daemon knows the request by the instance the clients name (the engine id), so a worker's
+    acquire carries the request's use; a process of another instance does not see it."""
+    d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
+        HostTierConfig(8 * LAYOUT.chunk_bytes, extent_bytes=LAYOUT.chunk_bytes)))).start()
+    uses: list[int | None] = []
+    real = d.cache.acquire
+
+    def acquire(keys, **kw):  # a spy: the real acquire runs
+        uses.append(kw.get("use"))
+        return real(keys, **kw)
+
+    d.cache.acquire = acquire
+    sched = StoreClient(str(tmp_path / "kv.sock"), model=MODEL, layout=LAYOUT, instance="engine-A")
+    try:
+        assert sched.save(list(range(2 * C)), make_kv(LAYOUT, 2 * C, seed=1)).stored == 2
+        sched.started("req-1")
+        for instance in ("engine-A", "engine-B", ""):
+            subprocess.run([sys.executable, "-c", REQUEST_USER, str(tmp_path / "kv.sock"), instance],
+                           check=True, cwd=Path(__file__).parents[2], timeout=60)
+        assert uses[0] is not None and uses[1:] == [None, None]
+    finally:
+        sched.close()
+        d.stop()

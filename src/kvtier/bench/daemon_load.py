@@ -305,8 +305,8 @@ class DaemonBenchResult:
 
     @property
     def ok(self) -> bool:
-        """The invariants: no wrong byte, no leak."""
-        return self.wrong_tokens == 0 and self.leaked == 0
+        """The invariants: no wrong byte, no leak, no lease lost (nothing here times out)."""
+        return self.wrong_tokens == 0 and self.leaked == 0 and self.ops["lost_leases"] == 0
 
     @property
     def meets_target(self) -> bool:
@@ -578,7 +578,13 @@ def _warnings(log: str) -> dict[str, int]:
 
 
 def _leaks(stats: dict) -> dict[str, int]:
-    return {name: int(stats.get(name, 0)) for name in ("pinned_chunks", "writes_in_flight", "orphaned_writes")}
+    """What the daemon still holds: per its leases, and per its DRAM tier itself (pins and
+    reservations of no lease would leak slots for good)."""
+    host = stats.get("tiers", {}).get("host", {})
+    out = {name: int(stats.get(name, 0)) for name in ("pinned_chunks", "writes_in_flight", "orphaned_writes")}
+    out["dram_pins"] = int(host.get("pinned", 0))
+    out["dram_reservations"] = int(host.get("reserved", 0))
+    return out
 
 
 def run_daemon_bench(config: DaemonBenchConfig | None = None,

@@ -59,9 +59,21 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 256
 
 
-def page_format(dtype: str, block_size: int, device: str = "cpu") -> str:
-    """What a vLLM page is, as part of the namespace: pages of other formats never match."""
-    return f"vllm-{device}-{dtype}-bs{block_size}"
+def page_format(dtype: str, block_size: int, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1) -> str:
+    """What a vLLM page is, as part of the namespace: pages of other formats, and other
+    tensor-parallel shards, never match."""
+    shard = f"-tp{tp_rank}of{tp_size}" if tp_size > 1 else ""
+    return f"vllm-{device}-{dtype}-bs{block_size}{shard}"
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 in the scheduler, or before vLLM set it up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialized (the scheduler's process)
+        return 0
 
 
 def vllm_layout(vllm_config, chunk_tokens: int) -> KVLayout:  # type: ignore[no-untyped-def]
@@ -116,12 +128,18 @@ class KVTierConnector(KVConnectorBase_V1):
         self.layout = vllm_layout(vllm_config, chunk)
         self.model_id = cfg.get_from_extra_config("model_id", None) or model_fingerprint(
             vllm_config.model_config.model)
-        self.page_format = page_format(self.layout.dtype, self.block_size)
+        tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        # Each rank stores its own shard of every chunk under its own namespace; the scheduler
+        # looks up rank 0's (a rank missing a chunk reports its blocks as load errors).
+        rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self.page_format = page_format(self.layout.dtype, self.block_size, tp_rank=rank, tp_size=tp_size)
         retry_s = float(cfg.get_from_extra_config("retry_s", 1.0))
+        instance = str(getattr(cfg, "engine_id", "") or "")  # shared by the scheduler and its workers
 
         def client() -> StoreClient:
             return StoreClient(str(socket_path) if socket_path else None, model=self.model_id,
-                               layout=self.layout, page_format=self.page_format, retry_s=retry_s)
+                               layout=self.layout, page_format=self.page_format, retry_s=retry_s,
+                               instance=instance or None)
 
         self.client = client()
         self._role = role
@@ -143,6 +161,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._bad_reqs: set[str] = set()
         """Requests of this step whose load failed: what the step computes for them attended
         to blocks that never arrived, so none of it is saved."""
+        self._poisoned: dict[str, int] = {}
+        """Request -> first chunk whose KV in vLLM's blocks is not to be trusted, until a save of
+        it starts at or before that chunk again (vLLM recomputed from there). Kept across
+        steps: a step scheduled before the failure was known computed over it too."""
         self._pending_saves: list[tuple[ChunkTransfer, WriteLease | None]] = []
 
     # -- geometry -------------------------------------------------------------------------------
@@ -223,7 +245,10 @@ class KVTierConnector(KVConnectorBase_V1):
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if new_blocks:
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                # resumed after a preemption: its old blocks were freed; these are all its blocks
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             if cached.num_computed_tokens[i] < state.saved * c:
                 # vLLM went back (blocks whose load failed are recomputed): those chunks were
@@ -302,8 +327,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._copy_failed = False
         if not meta.loads or not self._check_geometry():
             for load in meta.loads:  # nothing can be loaded: let vLLM recompute these blocks
-                self._failed_blocks.update(load.block_ids[load.skip_blocks :])
-                self._bad_reqs.add(load.req_id)
+                self._fail(load, load.skip_blocks)
+            self._taint_sharers(meta)
             return
         plan: list[tuple[ChunkTransfer, list[torch.Tensor]]] = []
         per_chunk = self.layout.chunk_tokens // self.block_size
@@ -315,14 +340,46 @@ class KVTierConnector(KVConnectorBase_V1):
             plan.append((load, views))
             # chunks the daemon could not give (lost, or the daemon died) are recomputed by vLLM
             loaded = (load.first_chunk + len(views)) * per_chunk
-            missing = load.block_ids[max(loaded, load.skip_blocks) :]
-            if missing:
-                self._failed_blocks.update(missing)
-                self._bad_reqs.add(load.req_id)
+            if load.block_ids[max(loaded, load.skip_blocks) :]:
+                self._fail(load, max(loaded, load.skip_blocks))
+        self._taint_sharers(meta)
         self._load_events = [threading.Event() for _ in self._kv]
         self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
                                              name="kvtier-vllm-load")
         self._load_thread.start()
+
+    def _fail(self, load: ChunkTransfer, first_block: int) -> None:
+        """Blocks ``first_block...`` of ``load`` did not arrive: vLLM recomputes them, and what
+        this request computes over them is never saved."""
+        self._failed_blocks.update(load.block_ids[first_block:])
+        self._bad_reqs.add(load.req_id)
+        chunk = first_block // (self.layout.chunk_tokens // self.block_size)
+        self._poisoned[load.req_id] = min(chunk, self._poisoned.get(load.req_id, chunk))
+
+    def _taint_sharers(self, meta: KVTierMetadata) -> None:
+        """A request whose blocks include a failed one (vLLM's prefix cache shares blocks between
+        the requests of a step) computed over it too: nothing of it is saved either."""
+        if not self._failed_blocks:
+            return
+        per_chunk = self.layout.chunk_tokens // self.block_size
+        for save in meta.saves:
+            bad = next((i for i, b in enumerate(save.block_ids) if b in self._failed_blocks), None)
+            if bad is not None:
+                self._bad_reqs.add(save.req_id)
+                chunk = bad // per_chunk
+                self._poisoned[save.req_id] = min(chunk, self._poisoned.get(save.req_id, chunk))
+
+    def _saveable(self, save: ChunkTransfer) -> bool:
+        """Whether what ``save`` would store was computed over KV that arrived."""
+        if save.req_id in self._bad_reqs:
+            return False
+        poisoned = self._poisoned.get(save.req_id)
+        if poisoned is None:
+            return True
+        if save.first_chunk <= poisoned:  # vLLM went back and computes from there again
+            del self._poisoned[save.req_id]
+            return True
+        return False
 
     def _copy_in(self, plan: list[tuple[ChunkTransfer, list[torch.Tensor]]]) -> None:
         dim = self._block_dim
@@ -366,7 +423,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._pending_saves = []
             if self._check_geometry():
                 for save in meta.saves:
-                    if save.req_id in self._bad_reqs:
+                    if not self._saveable(save):
                         continue  # computed over blocks that never arrived: never saved
                     lease = self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
                     self._pending_saves.append((save, lease))
@@ -395,9 +452,7 @@ class KVTierConnector(KVConnectorBase_V1):
             intact = self.client.release(lease, took=took, had=had,
                                          failed=len(lease.views) if self._copy_failed else 0)
             if not intact or self._copy_failed:
-                end = first_block + len(lease.views) * per_chunk
-                self._failed_blocks.update(load.block_ids[max(first_block, load.skip_blocks) : end])
-                self._bad_reqs.add(load.req_id)
+                self._fail(load, max(first_block, load.skip_blocks))
         self._leases = []
 
     def wait_for_save(self) -> None:
@@ -406,6 +461,9 @@ class KVTierConnector(KVConnectorBase_V1):
             self._load_thread = None
             self._load_events = []
         self._end_loads()
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVTierMetadata):
+            self._taint_sharers(meta)  # blocks of leases lost just now
         for save, lease in self._pending_saves:
             if save.req_id in self._bad_reqs:  # its load turned out lost: what it computed is not saved
                 if lease is not None:
@@ -444,6 +502,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:  # (the worker's side: called every step)
+            self._poisoned.pop(req_id, None)
         return None, None
 
     def shutdown(self) -> None:

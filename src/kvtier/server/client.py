@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 HELD, BUSY = -1, -2
 WAIT_TIMEOUT_S = 120.0
+MAX_BUDGET_MS = 60_000
 
 
 @dataclass(eq=False)
@@ -86,7 +87,7 @@ class StoreClient:
 
     def __init__(self, socket_path: str | None = None, *, model: str | None = None,
                  layout: KVLayout | None = None, tenant: str | None = None, page_format: str = "",
-                 timeout_s: float = 5.0, retry_s: float = 1.0) -> None:
+                 timeout_s: float = 5.0, retry_s: float = 1.0, instance: str | None = None) -> None:
         if (model is None) != (layout is None):
             raise ValueError("StoreClient needs both model and layout (a namespace), or neither")
         if model is not None and (not isinstance(model, str) or not model):
@@ -96,6 +97,9 @@ class StoreClient:
         self.layout = layout
         self.tenant = tenant
         self.page_format = page_format
+        self.instance = instance
+        """Names this client's requests together with other processes' (a vLLM instance's
+        scheduler and workers share one); default: its process."""
         self.errors = 0
         """Requests that failed because the daemon was unreachable or answered an error."""
         self.lost_leases = 0
@@ -108,7 +112,7 @@ class StoreClient:
     # -- connection ---------------------------------------------------------------------------
     def _hello(self) -> dict[str, object]:
         msg: dict[str, object] = {"op": "hello", "version": protocol.VERSION, "client": self._id,
-                                  "pid": os.getpid()}
+                                  "pid": os.getpid(), "instance": self.instance}
         if self.layout is not None:
             lay = self.layout
             msg["namespace"] = {
@@ -143,7 +147,7 @@ class StoreClient:
     def _budget_ms(self) -> int:
         """How long the daemon may take over an acquire or reserve (promoting, waiting for
         room) before it answers with what it has: well within this client's timeout."""
-        return max(1, int(self.timeout_s * 1000 / 4))
+        return max(1, min(MAX_BUDGET_MS, int(self.timeout_s * 1000 / 4)))
 
     def _wait_timeout(self, wait: bool) -> float | None:
         """A call that waits for the daemon's SSD reads (a prefetch with ``wait``) may take

@@ -182,6 +182,7 @@ class Link:
             try:
                 self.exchange(conn, {"op": "forget", "leases": ids or [], "lost_chunks": lost})
             except DaemonUnavailable:
+                self.lost_chunks += lost
                 if ids:
                     self._forget.setdefault(conn.epoch, []).extend(ids)
 

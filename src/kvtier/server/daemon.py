@@ -64,6 +64,7 @@ class _Session:
         self.peer = peer
         self.watch = ProcessWatch(peer.pid)
         self.client = b""
+        self.instance = ""
         self.ns: ClientNamespace | None = None
         self.leases: dict[int, Lease] = {}
         self._bound: dict[str, Namespace] = {}
@@ -253,9 +254,10 @@ class StoreDaemon:
 
     @staticmethod
     def request_name(session: _Session, request_id: str | None) -> str | None:
-        """A request id as the cache knows it: per client process (two vLLM instances both
-        number their requests "0", "1", ...)."""
-        return None if request_id is None else f"{session.peer.pid}/{request_id}"
+        """A request id as the cache knows it: per instance the client names in its hello (a
+        vLLM instance's scheduler and workers share one), else per process (two vLLM instances
+        both number their requests "0", "1", ...)."""
+        return None if request_id is None else f"{session.instance}/{request_id}"
 
     def use_of(self, req: dict[str, object], session: _Session) -> int | None:
         assert self.cache is not None

@@ -27,8 +27,10 @@ DEFAULT_BUDGET_MS = 1000
 
 def _deadline(req: dict[str, object]) -> float:
     """When an acquire or reserve must answer by (the client's budget, within its timeout)."""
-    budget = protocol.integer(req, "budget_ms", 1, 60_000, default=DEFAULT_BUDGET_MS)
-    return time.monotonic() + budget / 1000
+    budget = req.get("budget_ms", DEFAULT_BUDGET_MS)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise BadRequest(f"budget_ms must be an integer, got {budget!r:.40}")
+    return time.monotonic() + min(max(budget, 1), 60_000) / 1000
 
 
 def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
@@ -52,6 +54,7 @@ def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dic
             return {"ok": False, "refused": True, "error": refusal}
         session.ns = ns
     session.client = client
+    session.instance = protocol.text(req, "instance") or f"pid{session.peer.pid}"
     host = daemon.cache.host
     return {"ok": True, "version": protocol.VERSION, "epoch": daemon.epoch,
             "shm_name": host.arena.shm_name, "arena_bytes": host.arena.size,

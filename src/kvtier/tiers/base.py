@@ -287,6 +287,16 @@ class Tier(ABC):
         with self._lock:
             return bool(self._pins.get(key))
 
+    def pinned_count(self) -> int:
+        """Entries pinned now (by this process)."""
+        with self._lock:
+            return len(self._pins)
+
+    def reserved_count(self) -> int:
+        """Reservations open now (entries being written), where the tier tracks them."""
+        with self._lock:
+            return len(getattr(self, "_reserved", ()))
+
     @contextlib.contextmanager
     def pinned(self, key: ChunkKey) -> Iterator[bool]:
         """``with tier.pinned(key) as held:`` -- held is False if the entry is absent."""
