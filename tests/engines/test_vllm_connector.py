@@ -47,7 +47,7 @@ def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False)
     ktc = None
     if socket is not None:
         ktc = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK},
         )

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.core.layout import KVLayout
-from kvtier.engines.vllm_connector import ChunkTransfer, KVTierConnector, KVTierMetadata
+from kvtier.engines.vllm.connector import ChunkTransfer, KVTierConnector, KVTierMetadata
 
 BLOCK = 4
 CHUNK = 8  # 2 blocks a chunk

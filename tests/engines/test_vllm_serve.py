@@ -35,7 +35,7 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
     daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=64).start()
     port = free_port()
     ktc = {
-        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.engines.vllm_connector",
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.engines.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": str(daemon.socket), "chunk_tokens": 64},
     }

@@ -122,7 +122,7 @@ def test_one_daemon_with_no_model_serves_vllm_and_a_transformers_engine_of_anoth
                               config=EngineConfig(max_new_tokens=6))
     try:
         ktc = KVTransferConfig(kv_connector="KVTierConnector",
-                               kv_connector_module_path="kvtier.engines.vllm_connector", kv_role="kv_both",
+                               kv_connector_module_path="kvtier.engines.vllm", kv_role="kv_both",
                                kv_connector_extra_config={"socket": str(daemon.socket), "chunk_tokens": 64})
         llm = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, max_model_len=1024,
                   block_size=32, seed=0, enable_prefix_caching=False, kv_transfer_config=ktc)

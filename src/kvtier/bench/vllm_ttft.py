@@ -104,7 +104,7 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
             del alone
             gc.collect()
             ktc = KVTransferConfig(
-                kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
+                kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"socket": daemon_cfg.socket_path, "retry_s": 0.01,
                                            "chunk_tokens": config.chunk_tokens},

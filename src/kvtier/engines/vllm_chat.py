@@ -44,7 +44,7 @@ class VLLMChat:
         cache = daemon_cache(store)
         self.daemon = StoreDaemon(DaemonConfig(os.path.join(self._tmp.name, "kv.sock"), cache)).start()
         ktc = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm_connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"socket": self.daemon.config.socket_path,
                                        "chunk_tokens": store.layout.chunk_tokens},
