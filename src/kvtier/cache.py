@@ -251,6 +251,13 @@ class ChunkCache:
                 self._lock.release()
         return hit
 
+    def held(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """The fastest level holding each of ``keys``, each on its own (not a prefix; None: not
+        held). Lock-free as :meth:`lookup_keys` is, and advice as it is; touches and counts
+        nothing: it probes candidates (the partial chunks an engine may have saved) and the
+        engine's load of the one it picks is what counts."""
+        return [self.index.fastest(key) for key in keys]
+
     def _record_lookups(self) -> None:
         """Touch and count the lookups made since (under the lock)."""
         st, tiers, lookups = self.stats, self.tiers, self._lookups

@@ -58,8 +58,12 @@ def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False)
 def generate(llm, prompts: list[list[int]]):
     from vllm import SamplingParams
 
+    from kvtier.engines.vllm.offline import drain
+
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    if llm.llm_engine.vllm_config.kv_transfer_config is not None:
+        assert drain(llm)  # the finished requests' last chunks are saved
     return [o.outputs[0] for o in outs]
 
 
@@ -98,7 +102,9 @@ def test_dram_hits_then_ssd_hits_after_a_daemon_crash_give_vllms_own_output(
         ps = [prompt(300, 0), prompt(300, 1)]
         assert_same(generate(llm, ps), ref(reference, ps))  # cold: computed and saved
         snap = daemon.stats()
-        assert snap["tiers"]["host"]["chunks"] == 8  # 4 full chunks of 64 tokens per prompt
+        # per prompt: 4 full chunks of 64 tokens, and the tail of the 311 tokens computed (300 of
+        # the prompt, 11 generated) as a partial chunk of one 32-token block
+        assert snap["tiers"]["host"]["chunks"] == 10
         assert_same(generate(llm, ps), ref(reference, ps))  # hits from DRAM
         snap = daemon.stats()
         assert snap["tiers"]["host"]["hits"] == 8 and snap["hit_tokens"] >= 2 * 4 * CHUNK
@@ -111,8 +117,8 @@ def test_dram_hits_then_ssd_hits_after_a_daemon_crash_give_vllms_own_output(
         assert_same(generate(llm, ps), ref(reference, ps))
         snap = daemon.stats()
         # every chunk came up from SSD: promoted by the look-ahead hint or by the load itself
-        assert snap["promotions"] == 8
-        assert snap["tiers"]["host"]["hits"] + snap["tiers"]["disk"]["hits"] == 8
+        assert snap["promotions"] == 10
+        assert snap["tiers"]["host"]["hits"] + snap["tiers"]["disk"]["hits"] == 8  # full chunks looked up
     finally:
         del llm
         gc.collect()

@@ -1,7 +1,7 @@
 """The ``kvtier`` command line. Thin: it parses options, calls into the library, prints.
 
 Layout: ``main`` is the root group; each area is a module of this package with its group or
-command, registered here: ``bench``, ``demo``, ``replay``, ``store``; option types and output
+command, registered here: ``bench``, ``demo``, ``replay``, ``serve``, ``store``; option types and output
 helpers live in :mod:`kvtier.cli.common`. A command builds the library's typed config from its
 options, turns the library's ``ValueError`` into a click error (non-zero exit, one clear line)
 and prints either ``--json`` (one JSON object on stdout) or a rich table.
@@ -16,6 +16,7 @@ import click
 from kvtier.cli.bench import bench
 from kvtier.cli.demo import demo
 from kvtier.cli.replay import replay_cmd
+from kvtier.cli.serve import serve
 from kvtier.cli.store import store
 
 __all__ = ["main"]
@@ -37,6 +38,7 @@ def main() -> None:
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(replay_cmd)
+main.add_command(serve)
 main.add_command(store)
 
 

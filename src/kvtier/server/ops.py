@@ -82,6 +82,12 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c))
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
+def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+    _, keys = daemon.bound(session, req)
+    assert daemon.cache is not None
+    names = [t.name for t in daemon.cache.tiers]
+    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys)]}
+
 def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     ns, keys = daemon.bound(session, req)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
@@ -222,6 +228,7 @@ def flush(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dic
 OPS: dict[str, Callable[[StoreDaemon, dict[str, object], _Session], dict[str, object]]] = {
     "hello": hello,
     "lookup": lookup,
+    "probe": probe,
     "acquire": acquire,
     "release": release,
     "reserve": reserve,

@@ -1,0 +1,118 @@
+"""Simulated chat users against an OpenAI-compatible server: streaming turns, timed.
+
+Each user holds one conversation: it sends a turn, reads the streamed reply, keeps the model's
+own reply in its history (as a real chat client does), thinks, and sends the next turn. At most
+``in_flight`` conversations are open at once; when one ends the next one starts.
+
+A turn's TTFT is the time from sending the request to the first streamed chunk (vLLM sends
+nothing before the first token is sampled); its TPOT is the time from that chunk to the last
+one over the reply's remaining tokens. Reply lengths are fixed per turn (``max_tokens`` with
+``min_tokens`` and ``ignore_eos``, vLLM's sampling extensions), greedy sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PlannedTurn", "TurnRecord", "run_conversations", "warm_up"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTurn:
+    user: str
+    """The user's message."""
+    reply_tokens: int
+    """The reply's length in tokens (the real reply's, capped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    conversation: int
+    turn: int
+    sent_s: float
+    """When it was sent, seconds after the run began."""
+    ttft_s: float
+    tpot_s: float | None
+    """None for a one-token reply."""
+    prompt_tokens: int
+    cached_tokens: int
+    """What vLLM did not compute (its prefix cache and the KV connector together)."""
+    completion_tokens: int
+    reply: str
+
+
+async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply_tokens: int  # type: ignore[no-untyped-def]
+                       ) -> tuple[float, float | None, int, int, int, str]:
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=reply_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": reply_tokens},
+    )
+    first = last = None
+    parts: list[str] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.choices:
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+            if chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    if first is None or last is None or usage is None:
+        raise RuntimeError("the server's stream ended without a reply or usage")
+    details = usage.prompt_tokens_details
+    cached = int(details.cached_tokens or 0) if details is not None else 0
+    n = int(usage.completion_tokens)
+    tpot = (last - first) / (n - 1) if n > 1 else None
+    return first - t0, tpot, int(usage.prompt_tokens), cached, n, "".join(parts)
+
+
+async def _run(base_url: str, model: str, plans: Sequence[Sequence[PlannedTurn]], in_flight: int,
+               think_s: float, timeout_s: float) -> list[TurnRecord]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout_s, max_retries=0)
+    gate = asyncio.Semaphore(in_flight)
+    records: list[TurnRecord] = []
+    start = time.perf_counter()
+
+    async def converse(index: int, plan: Sequence[PlannedTurn]) -> None:
+        async with gate:
+            messages: list[dict[str, str]] = []
+            for turn, planned in enumerate(plan):
+                if turn:
+                    await asyncio.sleep(think_s)
+                messages.append({"role": "user", "content": planned.user})
+                sent = time.perf_counter() - start
+                ttft, tpot, prompt, cached, n, reply = await _stream_turn(
+                    client, model, messages, planned.reply_tokens)
+                records.append(TurnRecord(index, turn, sent, ttft, tpot, prompt, cached, n, reply))
+                messages.append({"role": "assistant", "content": reply})
+
+    try:
+        await asyncio.gather(*(converse(i, plan) for i, plan in enumerate(plans)))
+    finally:
+        await client.close()
+    return sorted(records, key=lambda r: (r.conversation, r.turn))
+
+
+def run_conversations(base_url: str, model: str, plans: Sequence[Sequence[PlannedTurn]], *,
+                      in_flight: int, think_s: float, timeout_s: float = 600.0) -> list[TurnRecord]:
+    """Hold every conversation of ``plans`` against the server at ``base_url`` (``.../v1``);
+    the records of all turns, by conversation and turn. A failed request raises (a benchmark
+    with a failed turn has no meaning)."""
+    if in_flight <= 0 or think_s < 0:
+        raise ValueError("in_flight must be positive and think_s not negative")
+    return asyncio.run(_run(base_url, model, plans, in_flight, think_s, timeout_s))
+
+
+def warm_up(base_url: str, model: str) -> None:
+    """One short request, so that the first measured turn pays no first-request costs."""
+    plan = [[PlannedTurn("Warming up: say anything.", 4)]]
+    run_conversations(base_url, model, plan, in_flight=1, think_s=0)

@@ -1,0 +1,71 @@
+"""``kvtier serve``: a store daemon and vLLM's OpenAI server wired to it, in one command."""
+
+from __future__ import annotations
+
+import click
+
+from kvtier.cli.common import ByteSize
+
+
+@click.command("serve")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host-bytes", type=ByteSize(), default="16GiB", show_default=True,
+              help="The daemon's DRAM tier, e.g. 16GiB (allocated in /dev/shm at start).")
+@click.option("--disk-path", default=None, help="The daemon's SSD tier directory.")
+@click.option("--disk-bytes", type=ByteSize(), default=None,
+              help="The SSD tier's size, e.g. 500GiB (with --disk-path).")
+@click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True,
+              help="vLLM's HTTP port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="vLLM's HTTP address.")
+@click.option("--socket", "socket_path", default=None,
+              help="The daemon's Unix socket [default: one in a private temporary directory].")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per kvtier chunk [default: the connector's, 256].")
+@click.option("--grace-s", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Seconds a child may take to stop after SIGTERM before it is killed.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: int | None, port: int,
+          host: str, socket_path: str | None, chunk_tokens: int | None, grace_s: float,
+          vllm_args: tuple[str, ...]) -> None:
+    """Serve MODEL_DIR with vLLM's OpenAI API and kvtier under it, until interrupted.
+
+    Flags after `--` go to vLLM's server as they are, e.g.
+    `kvtier serve /models/qwen --disk-path /nvme/kv --disk-bytes 500GiB -- --dtype bfloat16`.
+    kvtier sets --kv-transfer-config (refused there), --model, --host and --port.
+    If the daemon or vLLM exits, the other is stopped and the command fails, naming it."""
+    import signal
+
+    from kvtier.launch import ChildDied, ServeStack, StackConfig, StartTimeout, StoreSpec, VLLMSpec
+
+    if (disk_path is None) != (disk_bytes is None):
+        raise click.UsageError("--disk-path and --disk-bytes go together")
+    try:
+        config = StackConfig(
+            vllm=VLLMSpec(model=model_dir, port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens),
+            store=StoreSpec(host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
+                            socket=socket_path),
+            grace_s=grace_s,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    stack = ServeStack(config)
+    try:
+        click.echo(f"kvtier serve: starting the kvtier daemon and vLLM for {model_dir} ...", err=True)
+        stack.start()
+        click.echo(f"kvtier serve: ready at {stack.url}/v1 (daemon socket {stack.socket})", err=True)
+        click.echo(f"{stack.url}/v1")
+        stack.wait()
+    except KeyboardInterrupt:
+        click.echo("kvtier serve: stopping vLLM, then the daemon", err=True)
+    except (ChildDied, StartTimeout) as exc:
+        raise click.ClickException(f"{exc}\n(kvtier serve stopped everything it had started)") from exc
+    finally:
+        # A second Ctrl-C while children stop must not leave them behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()

@@ -1,0 +1,90 @@
+"""Copies between the daemon's arena (host memory) and vLLM's KV blocks, wherever those are.
+
+On CPU a copy is a plain tensor copy, done when it returns. On CUDA (the arena is page-locked
+when a GPU is present: :class:`kvtier.server.connection.Arena`) loads are issued on a side
+stream, non-blocking, with one event per layer: ``wait_layer`` makes the compute stream wait for
+that layer's event -- the GPU waits, the host does not -- and nothing calls a global
+synchronize on the hot path. Saves wait for the compute stream's work so far (the layer just
+computed) on a save stream of their own; ``sync`` / ``sync_saves`` wait for a stream's copies
+before the lease over their host slots ends, after the forward pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+class Copier:
+    def __init__(self, device: torch.device, num_layers: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._layers = [threading.Event() for _ in range(num_layers)]
+        if self.cuda:
+            self._load_stream = torch.cuda.Stream(device)
+            self._save_stream = torch.cuda.Stream(device)
+            self._bg_stream = torch.cuda.Stream(device)
+            self._events = [torch.cuda.Event() for _ in range(num_layers)]
+
+    def ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    # -- loads (one thread per step issues them, layer after layer) ----------------------------
+    def start(self) -> None:
+        for event in self._layers:
+            event.clear()
+
+    def up(self, pages: torch.Tensor) -> torch.Tensor:
+        """Host pages as the device needs them (a non-blocking copy on the load stream)."""
+        return pages.to(self.device, non_blocking=True) if self.cuda else pages
+
+    def load(self, copy: Callable[[], None]) -> None:
+        if self.cuda:
+            with torch.cuda.stream(self._load_stream):
+                copy()
+        else:
+            copy()
+
+    def layer_done(self, layer: int) -> None:
+        if self.cuda:
+            self._events[layer].record(self._load_stream)
+        self._layers[layer].set()
+
+    def all_done(self) -> None:
+        """After the last layer, or a failure: nobody waits for a layer forever."""
+        for layer, event in enumerate(self._layers):
+            if not event.is_set():
+                if self.cuda:
+                    self._events[layer].record(self._load_stream)
+                event.set()
+
+    def wait_layer(self, layer: int) -> None:
+        """Before ``layer``'s attention: its copies are issued (host) and land first (device)."""
+        self._layers[layer].wait()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+
+    def sync(self) -> None:
+        """Every load copy has landed: the read lease over their host slots may end."""
+        if self.cuda:
+            self._load_stream.synchronize()
+
+    # -- saves ---------------------------------------------------------------------------------
+    def save(self, dst: torch.Tensor, src: torch.Tensor, background: bool = False) -> None:
+        """Copy device pages ``src`` into host slot ``dst``, after the compute stream's work so
+        far (``src`` was gathered on it)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        stream = self._bg_stream if background else self._save_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        src.record_stream(stream)  # its memory is not reused before the copy is done
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def sync_saves(self, background: bool = False) -> None:
+        """Every save copy has landed: the write lease may be committed."""
+        if self.cuda:
+            (self._bg_stream if background else self._save_stream).synchronize()

@@ -1,0 +1,60 @@
+"""What the connector's scheduler half tells its worker halves each step (vLLM pickles it to
+every worker process): plain lists of which chunks go into or out of which vLLM blocks, and which
+blocks each scheduled request computes, so a worker can tell KV computed over blocks that never
+arrived from KV it may save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvtier.core.keys import ChunkKey
+
+
+@dataclass
+class Transfer:
+    """Chunks ``first_chunk, first_chunk + 1...`` of one request (``keys``) and the request's
+    blocks from its first (``block_ids``, as many as the chunks cover). The last key is a
+    partial chunk of ``tail_blocks`` blocks when that is not 0."""
+
+    req_id: str
+    keys: list[ChunkKey]
+    first_chunk: int
+    block_ids: list[int]
+    skip_blocks: int = 0
+    """Loads: blocks vLLM already holds itself (its prefix cache); not overwritten, not counted."""
+    tail_blocks: int = 0
+
+    def blocks(self, j: int, per_chunk: int) -> range:
+        """Indices into ``block_ids`` of the blocks of ``keys[j]``."""
+        start = (self.first_chunk + j) * per_chunk
+        n = self.tail_blocks if self.tail_blocks and j == len(self.keys) - 1 else per_chunk
+        return range(start, start + n)
+
+    def all_blocks(self, per_chunk: int) -> list[int]:
+        """The block ids of every chunk of the transfer."""
+        return [self.block_ids[i] for j in range(len(self.keys)) for i in self.blocks(j, per_chunk)]
+
+
+@dataclass
+class Write:
+    """A scheduled request computes the KV of tokens ``start..end`` this step, attending to
+    every block in ``block_ids`` (its blocks up to ``end``)."""
+
+    req_id: str
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    """Chunks to copy into vLLM's blocks before this step's forward pass reads them."""
+    saves: list[Transfer] = field(default_factory=list)
+    """Chunks whose KV this step's forward pass completes: saved layer by layer."""
+    finishes: list[Transfer] = field(default_factory=list)
+    """Chunks of finished requests (their blocks kept until saved): saved in the background,
+    the request reported through ``get_finished`` when done."""
+    writes: list[Write] = field(default_factory=list)

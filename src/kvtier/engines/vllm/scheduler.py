@@ -1,0 +1,288 @@
+"""The connector's scheduler half (vLLM's engine-core process): finds what kvtier holds for a
+request, and plans each step's loads and saves.
+
+Every request vLLM allocates blocks for is tracked through an explicit state machine::
+
+    WAITING --alloc--> LOADING (kvtier hit) | RUNNING --preempted--> PREEMPTED
+    PREEMPTED --alloc again--> LOADING | RUNNING (vLLM replaces its block list on resume)
+    RUNNING --finished--> FINISHING (blocks kept until the worker saved its tail) --> gone
+
+Whole conversations: as a request's tokens -- prompt, then generated -- complete a chunk, that
+chunk is saved by the step that computes it; when the request finishes, the chunks left and its
+last partial chunk (whole vLLM blocks of it, :func:`kvtier.core.keys.tail_key`) are saved in the
+background while vLLM keeps the blocks (``request_finished`` returns True; the worker reports
+the request in ``get_finished``). The next turn of the conversation then finds all of this turn's
+KV but the blocks' last partial one.
+
+A lookup (``get_num_new_matched_tokens``, which vLLM may call several times for one request and
+requires to be free of side effects) asks the daemon for the longest held run of full chunks,
+then for the longest held partial chunk after it, and remembers what it found for
+``update_state_after_alloc``; it tells the daemon nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, tail_key
+from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
+from kvtier.errors import DaemonUnavailable
+from kvtier.server.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHING = "finishing"
+
+
+def skipped(request) -> bool:  # type: ignore[no-untyped-def]
+    """A request may opt out: ``SamplingParams(extra_args={"kv_transfer_params":
+    {"kvtier": "skip"}})`` -- no lookup, no save (a baseline run, a private prompt)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return params.get("kvtier") == "skip"
+
+
+@dataclass
+class _Lookup:
+    """What the last lookup of a request found: ``chunks`` full chunks, then a partial chunk of
+    ``tail`` blocks (key last in ``keys``) when ``tail``; for ``local`` tokens vLLM had."""
+
+    keys: list[ChunkKey]
+    chunks: int
+    tail: int
+    local: int
+    num_tokens: int
+
+
+@dataclass
+class _Tracked:
+    request: object  # vLLM's Request: its all_token_ids grow as it generates
+    phase: Phase = Phase.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0
+    """Full chunks known stored in kvtier (hit, or planned for saving)."""
+    keys: list[ChunkKey] = field(default_factory=list)
+    """The keys of its full chunks, as far as computed."""
+
+
+class SchedulerSide:
+    def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int) -> None:
+        self.client = client
+        self._hint_client = hint_client
+        self.block_size = block_size
+        self.chunk = client.layout.chunk_tokens if client.layout else block_size
+        self.per_chunk = self.chunk // block_size
+        self._lookups: dict[str, _Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[Transfer] = []
+        self._finishes: list[Transfer] = []
+        self._hints = ThreadPoolExecutor(1, "kvtier-hints")
+
+    # -- keys ----------------------------------------------------------------------------------
+    @staticmethod
+    def _extra(request) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
+        """vLLM's ``cache_salt`` keeps prompts apart in its own prefix cache; chained into the
+        first chunk's key, it keeps them apart in kvtier too."""
+        salt = getattr(request, "cache_salt", None)
+        return {0: b"cache_salt:" + str(salt).encode()} if salt else None
+
+    def _full_keys(self, request, tokens: list[int]) -> list[ChunkKey]:  # type: ignore[no-untyped-def]
+        return chunk_tokens_of(tokens, self.client.namespace(), self.chunk, self._extra(request)).keys
+
+    def _tail_key(self, request, keys: list[ChunkKey], tokens: list[int], chunk: int, blocks: int) -> ChunkKey:  # type: ignore[no-untyped-def]
+        parent = keys[chunk - 1] if chunk else ROOT_KEY
+        start = chunk * self.chunk
+        extra = (self._extra(request) or {}).get(0) if chunk == 0 else None
+        return tail_key(parent, self.client.namespace(), tokens[start : start + blocks * self.block_size], extra)
+
+    def _keys_of(self, tr: _Tracked, chunks: int) -> list[ChunkKey]:
+        if len(tr.keys) < chunks:
+            tokens = list(tr.request.all_token_ids)  # type: ignore[attr-defined]
+            tr.keys = self._full_keys(tr.request, tokens[: len(tokens) // self.chunk * self.chunk])
+        return tr.keys[:chunks]
+
+    # -- lookups -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
+        rid = str(request.request_id)
+        tokens = list(request.all_token_ids)
+        n = len(tokens) - 1  # one token must be left to compute
+        if skipped(request) or n < self.block_size:
+            return 0, False
+        try:
+            keys = self._full_keys(request, tokens[:n])
+        except DaemonUnavailable:
+            return 0, False
+        m = len(self.client.lookup_keys(keys, num_tokens=n, request=rid))
+        tail = 0
+        room = min(self.per_chunk - 1, (n - m * self.chunk) // self.block_size)
+        if room > 0 and m * self.chunk + room * self.block_size > num_computed_tokens:
+            sizes = list(range(room, 0, -1))
+            candidates = [self._tail_key(request, keys, tokens, m, k) for k in sizes]
+            held = self.client.probe(candidates)
+            tail = next((k for k, t in zip(sizes, held, strict=True) if t is not None), 0)
+            if tail:
+                keys = [*keys[:m], candidates[sizes.index(tail)]]
+        hit = m * self.chunk + tail * self.block_size
+        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n)
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
+        rid = str(request.request_id)
+        found = self._lookups.pop(rid, None)
+        tr = self._tracked.get(rid)
+        if tr is None:
+            tr = self._tracked[rid] = _Tracked(request)
+        tr.block_ids = list(blocks.get_block_ids()[0])
+        tr.phase = Phase.RUNNING
+        if skipped(request):
+            return
+        self._hints.submit(self._hint, "started", rid)
+        if found is not None:
+            tr.stored = max(tr.stored, found.chunks)
+        if num_external_tokens <= 0:
+            return
+        tr.phase = Phase.LOADING
+        if found is None:  # vLLM loads what no lookup of ours offered: let it recompute all
+            log.error("kvtier: vLLM asked for %d tokens of request %s without a lookup", num_external_tokens, rid)
+            self._loads.append(Transfer(rid, [], 0, tr.block_ids, skip_blocks=0))
+            return
+        local, total = found.local, found.local + num_external_tokens
+        b, c = self.block_size, self.chunk
+        first = local // c
+        full = min(found.chunks, total // c)
+        tail = (total - full * c) // b
+        keys = found.keys[first:full]
+        if tail:
+            if not (found.tail == tail and full == found.chunks):  # not what the lookup offered
+                keys, tail = [], 0
+            else:
+                keys = found.keys[first : full + 1]
+        elif total % c:
+            keys = []
+        if not keys or total % b:
+            log.error("kvtier: vLLM's %d external tokens for request %s do not match the lookup; "
+                      "they are recomputed", num_external_tokens, rid)
+            keys = []
+        self._loads.append(Transfer(rid, keys, first, tr.block_ids[: -(-total // b)], skip_blocks=local // b,
+                                    tail_blocks=tail))
+
+    # -- steps ---------------------------------------------------------------------------------
+    def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]
+        meta = KVTierMetadata(loads=self._loads, finishes=self._finishes)
+        self._loads, self._finishes = [], []
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            tr = self._tracked.get(rid)
+            if tr is not None:
+                tr.phase, tr.block_ids = Phase.PREEMPTED, []
+        for r in so.scheduled_new_reqs:
+            tr = self._tracked.get(r.req_id)
+            if tr is None:
+                continue
+            tr.block_ids = list(r.block_ids[0])
+            self._step(meta, tr, r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._tracked.get(rid)
+            if tr is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # its old blocks were freed; these are all of them
+                tr.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tr.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i]
+            if computed < tr.stored * self.chunk:
+                # vLLM went back (blocks whose load failed are recomputed): a worker refuses to
+                # save what was computed over them, so those chunks are saved once redone
+                tr.stored = computed // self.chunk
+            self._step(meta, tr, rid, computed, so.num_scheduled_tokens[rid])
+        return meta
+
+    def _step(self, meta: KVTierMetadata, tr: _Tracked, rid: str, computed: int, scheduled: int) -> None:
+        """The request computes tokens ``computed..computed + scheduled`` this step: say so, and
+        save the full chunks this completes (of the tokens already known: with async scheduling
+        the last sampled ones may not be)."""
+        tr.phase = Phase.RUNNING
+        end = computed + scheduled
+        nblocks = min(len(tr.block_ids), -(-end // self.block_size))
+        meta.writes.append(Write(rid, tr.block_ids[:nblocks], computed, end))
+        if skipped(tr.request):
+            return
+        full = min(end, len(tr.request.all_token_ids)) // self.chunk  # type: ignore[attr-defined]
+        if full > tr.stored and full * self.per_chunk <= len(tr.block_ids):
+            keys = self._keys_of(tr, full)
+            if len(keys) == full:
+                meta.saves.append(Transfer(rid, keys[tr.stored :], tr.stored, tr.block_ids[: full * self.per_chunk]))
+                tr.stored = full
+
+    def request_finished(self, request, block_ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
+        """Plan the save of what the request computed and kvtier lacks; True if there is such a
+        save (vLLM keeps its blocks until the worker reports it in ``get_finished``)."""
+        rid = str(request.request_id)
+        self._lookups.pop(rid, None)
+        tr = self._tracked.pop(rid, None)
+        if tr is not None and not skipped(request):
+            self._hints.submit(self._hint, "finished", rid)
+        if tr is None or skipped(request) or tr.phase in (Phase.PREEMPTED, Phase.WAITING):
+            return False
+        tokens = list(request.all_token_ids)
+        valid = min(request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0), len(tokens))
+        b, c = self.block_size, self.chunk
+        valid = min(valid, len(block_ids) * b)
+        full, tail = valid // c, (valid % c) // b
+        if full <= tr.stored and not tail:
+            return False
+        try:
+            keys = self._keys_of(tr, full)
+            if len(keys) < full:
+                return False
+            first = min(tr.stored, full)
+            keys = keys[first:full]
+            if tail:
+                keys.append(self._tail_key(request, tr.keys, tokens, full, tail))
+        except DaemonUnavailable:
+            return False
+        tr.phase = Phase.FINISHING
+        self._finishes.append(Transfer(rid, keys, first, list(block_ids[: full * self.per_chunk + tail]),
+                                       tail_blocks=tail))
+        return True
+
+    def phase(self, req_id: str) -> Phase | None:
+        tr = self._tracked.get(req_id)
+        return None if tr is None else tr.phase
+
+    # -- hints ---------------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
+        """The daemon's policies hear of the waiting request (AttentionStore's look-ahead window)
+        and its chunks move SSD -> DRAM while it waits in the queue."""
+        if skipped(request):
+            return
+        rid, tokens = str(request.request_id), list(request.all_token_ids)[:-1]
+        self._hints.submit(self._queued, request, rid, tokens)
+
+    def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
+        try:
+            self._hint_client.queued(rid, self._full_keys(request, tokens))
+        except DaemonUnavailable:
+            pass
+        except Exception:  # a hint must never take the scheduler down
+            log.exception("kvtier: queued hint failed")
+
+    def _hint(self, what: str, rid: str) -> None:
+        try:
+            getattr(self._hint_client, what)(rid)
+        except DaemonUnavailable:
+            pass
+        except Exception:
+            log.exception("kvtier: %s hint failed", what)
+
+    def close(self) -> None:
+        self._hints.shutdown(wait=False)

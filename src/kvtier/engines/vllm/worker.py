@@ -1,0 +1,307 @@
+"""The connector's worker half (next to the model, one per tensor-parallel rank): copies chunks
+between the daemon's shared arena and vLLM's KV blocks.
+
+Per step, in vLLM's order: ``bind`` (the step's plan), ``start_load_kv`` (pin the chunks to
+load -- a read lease -- and copy them layer by layer on a background thread), the forward pass
+(``wait_for_layer_load`` before each layer's attention, ``save_kv_layer`` after it: reserve
+slots -- a write lease -- at the first layer, copy each layer's finished pages in), then
+``wait_for_save`` (end the read leases, decide what may be committed, commit it, start the
+background saves of finished requests) and ``get_finished`` (the finished requests whose save
+is done: vLLM frees their blocks).
+
+What may be saved: a block is *suspect* when its load failed, or when it was computed over a
+suspect block (vLLM's prefix cache shares blocks between requests, and a step scheduled before
+a failure was known computes over it too), until a step computes it again from its first token.
+A save whose blocks include a suspect one is never committed, on any rank: the ranks of a
+tensor-parallel group agree on every commit, since each rank's KV depends on every other's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.core.layout import KVLayout
+from kvtier.engines.vllm.copies import Copier
+from kvtier.engines.vllm.pages import PageAdapter
+from kvtier.engines.vllm.plan import KVTierMetadata, Transfer
+from kvtier.server.client import ReadLease, StoreClient, WriteLease
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
+                 adapter: PageAdapter | None, agree=None) -> None:  # type: ignore[no-untyped-def]
+        self.client = client
+        self._bg_client = background
+        self.layout = layout
+        self.block_size = block_size
+        self.per_chunk = layout.chunk_tokens // block_size
+        self.adapter = adapter
+        self._agree = agree
+        """``agree(flags) -> flags``: the elementwise minimum over the tensor-parallel group."""
+        self.kv: list[torch.Tensor] = []
+        self._layer_of: dict[str, int] = {}
+        self.enabled = False
+        self._copier: Copier | None = None
+        self._suspect: set[int] = set()
+        self._failed: set[int] = set()
+        """Blocks to report to vLLM as load errors (reported once, then cleared)."""
+        self._meta = KVTierMetadata()
+        self._loaded = False
+        self._load_thread: threading.Thread | None = None
+        self._copy_failed = False
+        self._leases: list[tuple[Transfer, ReadLease]] = []
+        self._lost: list[Transfer] = []
+        self._saves: list[tuple[Transfer, WriteLease | None]] = []
+        self._finishing = ThreadPoolExecutor(1, "kvtier-finish")
+        self._done_lock = threading.Lock()
+        self._done: set[str] = set()
+
+    # -- setup ---------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, problem: str | None = None) -> None:
+        """vLLM's KV tensors; kvtier stays disabled in this worker (every load a miss, nothing
+        saved) if they are not in the layout the namespace names, or ``problem`` says why not."""
+        self.kv = list(kv_caches.values())
+        self._layer_of = {name: i for i, name in enumerate(kv_caches)}
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            if self.adapter is None:
+                raise ValueError("no page adapter for this attention backend")
+            if len(self.kv) != self.layout.num_layers:
+                raise ValueError(f"vLLM has {len(self.kv)} KV layers, the layout {self.layout.num_layers}")
+            for kv in self.kv:
+                self.adapter.check(kv, num_blocks, self.block_size, self.layout)
+            if self.adapter.page_bytes(self.kv[0]) * self.per_chunk != self.layout.layer_bytes:
+                raise ValueError(f"a page of {self.adapter.page_bytes(self.kv[0])} bytes does not fit "
+                                 f"{self.per_chunk} pages per chunk layer of {self.layout.layer_bytes} bytes")
+        except ValueError as exc:
+            log.error("kvtier disabled in this worker: %s", exc)
+            return
+        self._copier = Copier(self.kv[0].device, len(self.kv))
+        self.enabled = True
+
+    # -- a step --------------------------------------------------------------------------------
+    def bind(self, meta: KVTierMetadata) -> None:
+        """A new step's plan. Everything of the step before has ended (``wait_for_save``)."""
+        self._meta = meta
+        self._loaded = False
+        self._copy_failed = False
+
+    def start_load_kv(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        loads = self._meta.loads
+        if not loads:
+            return
+        if not self.enabled:
+            for load in loads:
+                self._lost.append(load)
+                self._fail(load.block_ids[load.skip_blocks :])
+            return
+        plan: list[tuple[Transfer, list[torch.Tensor]]] = []
+        for load in loads:
+            lease = self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id) if load.keys else None
+            views = lease.views if lease is not None else []
+            if lease is not None:
+                self._leases.append((load, lease))
+            plan.append((load, views))
+            got = len(views)
+            missing = [load.block_ids[i] for j in range(got, len(load.keys)) for i in load.blocks(j, self.per_chunk)
+                       if i >= load.skip_blocks]
+            if not load.keys:
+                missing = load.block_ids[load.skip_blocks :]
+            if missing:  # chunks the daemon could not give (lost, or the daemon died): recomputed
+                self._fail(missing)
+        assert self._copier is not None
+        self._copier.start()
+        self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
+                                             name="kvtier-vllm-load")
+        self._load_thread.start()
+
+    def _copy_in(self, plan: list[tuple[Transfer, list[torch.Tensor]]]) -> None:
+        assert self._copier is not None
+        a, layout = self.adapter, self.layout
+        try:
+            for layer, kv in enumerate(self.kv):
+                lo = layout.layer_offset(layer)
+                for load, views in plan:
+                    for j, view in enumerate(views):
+                        idx = [i for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks]
+                        if not idx:
+                            continue
+                        first = (load.first_chunk + j) * self.per_chunk
+                        pages = a.pages(view[lo : lo + layout.layer_bytes], kv, self.per_chunk)
+                        if len(idx) < self.per_chunk:
+                            pages = pages[idx[0] - first : idx[-1] - first + 1]
+                        dst = [load.block_ids[i] for i in idx]
+                        self._copier.load(lambda k=kv, d=dst, p=pages: a.scatter(k, self._copier.ids(d), self._copier.up(p)))
+                self._copier.layer_done(layer)
+        except BaseException:
+            self._copy_failed = True  # every block of this step's loads is reported failed
+            log.exception("kvtier: copying cached KV into vLLM's blocks failed")
+        finally:
+            self._copier.all_done()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._load_thread is None or self._copier is None:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self._copier.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None or not self._meta.saves or not self.enabled:
+            return
+        if layer == 0:
+            self._saves = []
+            for save in self._meta.saves:
+                if self._is_suspect(save):  # computed over blocks that never arrived
+                    continue
+                self._saves.append((save, self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)))
+        assert self._copier is not None
+        lo = self.layout.layer_offset(layer)
+        for save, lease in self._saves:
+            if lease is None:
+                continue
+            for j, view in enumerate(lease.views):
+                if view is None:
+                    continue
+                ids = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
+                dst = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv_layer, len(ids))
+                self._copier.save(dst, self.adapter.gather(kv_layer, self._copier.ids(ids)))
+
+    def _finish_loads(self) -> None:
+        """Join the copies, end the step's read leases; blocks copied under a lease the daemon
+        could not confirm intact (or by a copy that failed) become load errors. Idempotent."""
+        if self._load_thread is not None:
+            self._load_thread.join()
+            self._load_thread = None
+            assert self._copier is not None
+            self._copier.sync()
+        c, b = self.layout.chunk_tokens, self.block_size
+        for load, lease in self._leases:
+            took = [sum(b for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks)
+                    for j in range(len(lease.views))]
+            had = sum(c - t for t in took) if not load.tail_blocks else 0
+            intact = self.client.release(lease, took=took, had=had,
+                                         failed=len(lease.views) if self._copy_failed else 0)
+            blocks = [load.block_ids[i] for j in range(len(lease.views)) for i in load.blocks(j, self.per_chunk)
+                      if i >= load.skip_blocks]
+            if not intact or self._copy_failed:
+                self._fail(blocks)
+            else:
+                self._suspect.difference_update(blocks)  # freshly loaded: sound again
+        self._leases = []
+        self._lost = []
+
+    def _fail(self, blocks: list[int]) -> None:
+        self._failed.update(blocks)
+        self._suspect.update(blocks)
+
+    def _spread(self) -> None:
+        """What each request computed this step is suspect if it attended to a suspect block it
+        did not compute again itself; sound again if it computed it from its first token."""
+        b = self.block_size
+        changed = True
+        while changed:  # a request may read blocks another one computes in the same step
+            changed = False
+            for w in self._meta.writes:
+                first_new = -(-w.start // b)  # blocks computed from their first token
+                before = w.block_ids[: w.start // b + (1 if w.start % b else 0)]
+                written = w.block_ids[w.start // b :]
+                if any(blk in self._suspect for blk in before) and not all(x in self._suspect for x in written):
+                    self._suspect.update(written)
+                    changed = True
+                elif not any(blk in self._suspect for blk in before):
+                    fresh = w.block_ids[first_new:]
+                    if any(x in self._suspect for x in fresh):
+                        self._suspect.difference_update(fresh)
+                        changed = True
+
+    def _is_suspect(self, t: Transfer) -> bool:
+        return any(blk in self._suspect for blk in t.all_blocks(self.per_chunk))
+
+    def wait_for_save(self) -> None:
+        self.start_load_kv()  # (vLLM calls it after the forward pass when a step loads nothing)
+        self._finish_loads()
+        self._spread()
+        saves, self._saves = self._saves, []
+        finishes = self._meta.finishes if self.enabled else []
+        ok = [not self._is_suspect(s) for s, _ in saves] + [not self._is_suspect(f) for f in finishes]
+        if self._agree is not None and ok:
+            ok = self._agree(ok)
+        if self._copier is not None and saves:
+            self._copier.sync_saves()
+        for (save, lease), good in zip(saves, ok, strict=False):
+            if lease is None:
+                continue
+            if not good:
+                self.client.abandon(lease)
+                continue
+            self.client.commit(lease)
+            if len(lease.views) < len(save.keys):
+                self._save_rest(self.client, save, len(lease.views))
+        for f, good in zip(self._meta.finishes, ok[len(saves) :] if self.enabled else [], strict=False):
+            if good:
+                self._finishing.submit(self._finish, f)
+            else:
+                self._mark_done(f.req_id)
+        if not self.enabled:
+            for f in self._meta.finishes:
+                self._mark_done(f.req_id)
+
+    def _finish(self, save: Transfer) -> None:
+        """A finished request's chunks, all layers at once, from blocks vLLM keeps for us."""
+        try:
+            self._save_rest(self._bg_client, save, 0)
+        except Exception:
+            log.exception("kvtier: saving finished request %s failed", save.req_id)
+        finally:
+            self._mark_done(save.req_id)
+
+    def _mark_done(self, req_id: str) -> None:
+        with self._done_lock:
+            self._done.add(req_id)
+
+    def _save_rest(self, client: StoreClient, save: Transfer, done: int) -> None:
+        """Save chunks ``done...`` of ``save`` in rounds, all layers at once (chunks that found no
+        DRAM slot at the first layer, or a finished request's): while one round's chunks are
+        committed and demoted, the next round finds room."""
+        assert self._copier is not None
+        layout = self.layout
+        while done < len(save.keys):
+            lease = client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id)
+            if lease is None or not lease.views:
+                return  # no room at all now (everything pinned), or the daemon is away
+            for j, view in enumerate(lease.views):
+                if view is None:
+                    continue
+                ids = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
+                for layer, kv in enumerate(self.kv):
+                    lo = layout.layer_offset(layer)
+                    dst = self.adapter.pages(view[lo : lo + layout.layer_bytes], kv, len(ids))
+                    self._copier.save(dst, self.adapter.gather(kv, self._copier.ids(ids)), background=True)
+            self._copier.sync_saves(background=True)
+            client.commit(lease)
+            done += len(lease.views)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()  # (vLLM may ask before wait_for_save, with speculative decoding)
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        with self._done_lock:
+            done, self._done = self._done, set()
+        return done or None
+
+    def close(self) -> None:
+        self._finishing.shutdown(wait=True)
