@@ -1,11 +1,16 @@
-"""The vLLM connector's bookkeeping driven step by step with fake scheduler outputs and a fake
-daemon client (a fake only to inject the faults: a load the daemon cannot complete). The vLLM
-behaviour imitated is vLLM 0.32's scheduler: invalid blocks reschedule every request that uses
-them, a resumed request's new block list replaces its old one. No chunk computed over KV that
-never arrived, or read from blocks a request no longer owns, may be stored."""
+"""The vLLM connector's two halves driven step by step, in the orders vLLM 0.32 calls them.
+
+The worker half gets a fake daemon client only to inject the faults (a load the daemon cannot
+complete, a lease lost at release); the scheduler half a real client with no daemon behind it.
+The vLLM behaviour imitated: invalid blocks reschedule every request using them from the first
+invalid block, vLLM's prefix cache shares a request's blocks with later ones at once, a resumed
+request's new block list replaces its old one, async scheduling plans step N+1 before step N's
+failures are known, and a step that loads nothing starts its loads after the forward pass. No
+chunk computed over KV that never arrived may be stored."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,130 +19,259 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.core.layout import KVLayout
-from kvtier.engines.vllm.connector import ChunkTransfer, KVTierConnector, KVTierMetadata
+from kvtier.engines.vllm.pages import adapter_for
+from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
+from kvtier.engines.vllm.scheduler import SchedulerSide
+from kvtier.engines.vllm.worker import WorkerSide
+from kvtier.server.client import StoreClient
 
 BLOCK = 4
 CHUNK = 8  # 2 blocks a chunk
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", chunk_tokens=CHUNK)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32", chunk_tokens=CHUNK)
+NUM_BLOCKS = 64
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
 
 
 class FakeLease:
-    def __init__(self, keys, views):
-        self.keys, self.views, self.tiers = keys, views, ["host"] * len(keys)
-        self.held = [False] * len(keys)
+    def __init__(self, keys, views, request):
+        self.keys, self.views, self.request = list(keys), views, request
 
 
 class FakeClient:
-    """Acquire gives only ``give`` chunks of a load; reserve gives a view per key."""
+    """Acquire gives ``give[request]`` chunks of a load (default all), filled with ``fill``;
+    release reports the lease intact unless the request is in ``lose``."""
 
-    def __init__(self, give: dict[str, int]):
-        self.give = give
-        self.committed: list[tuple[str, list]] = []
-        self.abandoned: list = []
-
-    def keys_for(self, prompt):
-        return [bytes([i]) * 16 for i in range(len(prompt) // CHUNK)]
-
-    def started(self, rid):
-        pass
+    def __init__(self, give=None, lose=()):
+        self.give, self.lose = give or {}, set(lose)
+        self.committed: list[tuple[str, list[bytes]]] = []
+        self.abandoned: list[str] = []
+        self.released: list[dict] = []
+        self.stored: dict[bytes, torch.Tensor] = {}
 
     def acquire(self, keys, first=0, request=None):
         n = self.give.get(request, len(keys))
         if n == 0:
             return None
-        return FakeLease(keys[:n], [torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8) for _ in range(n)])
+        views = [self.stored.get(k, torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8)) for k in keys[:n]]
+        return FakeLease(keys[:n], views, request)
 
-    def release(self, lease, **kw):
-        return True
+    def release(self, lease, **report):
+        self.released.append({"request": lease.request, **report})
+        return lease.request not in self.lose
 
     def reserve(self, keys, first=0, request=None):
-        lease = FakeLease(keys, [torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8) for _ in keys])
-        lease.request = request
-        return lease
+        return FakeLease(keys, [torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8) for _ in keys], request)
 
     def commit(self, lease):
         self.committed.append((lease.request, list(lease.keys)))
+        self.stored.update(zip(lease.keys, lease.views, strict=True))
 
     def abandon(self, lease):
         self.abandoned.append(lease.request)
 
 
-def make_connector(client) -> KVTierConnector:
-    c = object.__new__(KVTierConnector)
-    c.client = client
-    c.layout = LAYOUT
-    c.block_size = BLOCK
-    c._lookups, c._requests, c._loads, c._skip = {}, {}, [], set()
-    c._hints = SimpleNamespace(submit=lambda *a, **k: None)
-    c._hint_client = client
-    num_blocks = 64
-    # CPU-backend layout: [blocks, heads, block, 2*head_dim]
-    c._kv = [torch.zeros(num_blocks, 1, BLOCK, 2 * 2)]
-    c._kv_cache_config = SimpleNamespace(num_blocks=num_blocks)
-    c._layer_of = {"l0": 0}
-    c._block_dim = 0
-    c._load_events, c._load_thread, c._leases = [], None, []
-    c._copy_failed, c._failed_blocks, c._bad_reqs, c._pending_saves = False, set(), set(), []
-    c._poisoned = {}
-    c._connector_metadata = None
-    return c
+def worker(client) -> WorkerSide:
+    w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"))
+    kv = {f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(LAYOUT.num_layers)}  # CPU layout
+    w.register(kv, NUM_BLOCKS)
+    assert w.enabled
+    return w
 
 
-def run_step(c: KVTierConnector, meta: KVTierMetadata) -> set[int]:
-    c._connector_metadata = meta
-    c.start_load_kv(None)
-    c.wait_for_layer_load("l0")
-    c.save_kv_layer("l0", c._kv[0], None)
-    c.wait_for_save()
-    return c.get_block_ids_with_load_errors()
+def step(w: WorkerSide, meta: KVTierMetadata, *, loads_after_forward=False, errors_first=False) -> set[int]:
+    """One step as vLLM's model runner drives it; returns the blocks reported as load errors."""
+    w.bind(meta)
+    if not loads_after_forward:
+        w.start_load_kv()
+    errors: set[int] = set()
+    for i, kv in enumerate(w.kv):
+        w.wait_for_layer_load(f"l{i}")
+        w.save_kv_layer(f"l{i}", kv)
+    if loads_after_forward:
+        w.start_load_kv()
+    if errors_first:  # speculative decoding: vLLM asks before the deferred wait_for_save, and
+        errors = w.get_block_ids_with_load_errors()  # not again in this step
+        w.wait_for_save()
+        return errors
+    w.wait_for_save()
+    return w.get_block_ids_with_load_errors()
 
 
-def test_a_request_sharing_a_failed_block_saves_nothing_it_computed_over_it():
+def load(rid, keys, blocks, first=0, skip=0, tail=0) -> Transfer:
+    return Transfer(rid, keys, first, blocks, skip_blocks=skip, tail_blocks=tail)
+
+
+def test_a_request_sharing_a_failed_block_in_the_same_step_saves_nothing_computed_over_it():
     client = FakeClient(give={"A": 1})  # the daemon gives chunk 0 of A's 2 chunks
-    c = make_connector(client)
-    shared = [0, 1, 2, 3]  # blocks of chunks 0-1: A loads them, B shares them (vLLM's prefix cache)
-    load_a = ChunkTransfer("A", client.keys_for(range(16)), 0, shared, 0)
-    save_b = ChunkTransfer("B", [b"\x02" * 16], 2, shared + [4, 5])  # B's own chunk 2
-    failed = run_step(c, KVTierMetadata(loads=[load_a], saves=[save_b]))
-    assert failed == {2, 3}  # vLLM reschedules A and B
-    assert client.committed == []  # B's chunk 2 attended to blocks 2-3: not stored
-
-
-def test_a_resumed_request_saves_from_its_new_blocks():
-    client = FakeClient(give={})
-    c = make_connector(client)
-    prompt = list(range(4 * CHUNK))
-    new = SimpleNamespace(req_id="R", prompt_token_ids=prompt, block_ids=([10, 11, 12, 13],),
-                          num_computed_tokens=0)
-    empty_cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
-                                   num_computed_tokens=[])
-    so = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=empty_cached,
-                         num_scheduled_tokens={"R": 2 * CHUNK}, finished_req_ids=set())
-    assert c.build_connector_meta(so).saves[0].block_ids == [10, 11, 12, 13]
-    # preempted (blocks 10.. freed, given to others), resumed with blocks 30..37, recomputing all
-    cached = SimpleNamespace(req_ids=["R"], resumed_req_ids={"R"},
-                             new_block_ids=[([30, 31, 32, 33, 34, 35, 36, 37],)], num_computed_tokens=[0])
-    so2 = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                          num_scheduled_tokens={"R": 4 * CHUNK}, finished_req_ids=set())
-    save = c.build_connector_meta(so2).saves[0]
-    per_chunk = CHUNK // BLOCK
-    blocks = {save.first_chunk + j: save.block_ids[(save.first_chunk + j) * per_chunk:
-                                                    (save.first_chunk + j + 1) * per_chunk]
-              for j in range(len(save.keys))}
-    assert blocks == {0: [30, 31], 1: [32, 33], 2: [34, 35], 3: [36, 37]}  # its blocks now, all of it
+    w = worker(client)
+    shared = [0, 1, 2, 3]  # A loads them; B shares them through vLLM's prefix cache
+    failed = step(w, KVTierMetadata(
+        loads=[load("A", [key(0), key(1)], shared)],
+        saves=[Transfer("B", [key(2)], 2, shared + [4, 5])],
+        writes=[Write("A", shared + [10], 16, 17), Write("B", shared + [4, 5], 16, 24)]))
+    assert failed == {2, 3}  # vLLM recomputes them
+    assert client.committed == []  # B's chunk 2 attended to blocks 2-3
 
 
 def test_a_step_scheduled_before_a_failure_was_known_saves_nothing_over_it():
-    """Async scheduling (vLLM's default on GPUs): step N+1 is scheduled before step N's invalid
-    blocks are known, so it computes A's next chunk over them; only once vLLM has gone back
-    (a save from at or before the failed chunk) does A save again."""
+    """Async scheduling: step N+1 was planned before step N's failure was known, and a new
+    request C found A's blocks in vLLM's prefix cache. Once A has recomputed them, saves of
+    what is computed over them are sound again; C's chunk, computed over the bad ones, stays
+    suspect."""
     client = FakeClient(give={"A": 1})
-    c = make_connector(client)
-    blocks = list(range(12))
-    load = ChunkTransfer("A", client.keys_for(range(16)), 0, blocks[:4], 0)
-    run_step(c, KVTierMetadata(loads=[load], saves=[ChunkTransfer("A", [b"\x02" * 16], 2, blocks[:6])]))
-    run_step(c, KVTierMetadata(loads=[], saves=[ChunkTransfer("A", [b"\x03" * 16], 3, blocks[:8])]))
-    assert client.committed == []  # chunk 3 attended to chunk 1's blocks, which never arrived
-    again = [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16]
-    run_step(c, KVTierMetadata(loads=[], saves=[ChunkTransfer("A", again, 1, blocks[:8])]))
-    assert client.committed == [("A", again)]  # recomputed from chunk 1: saved
+    w = worker(client)
+    a = [0, 1, 2, 3, 4, 5]
+    assert step(w, KVTierMetadata(loads=[load("A", [key(0), key(1)], a[:4])],
+                                  writes=[Write("A", a[:5], 16, 17)])) == {2, 3}
+    step(w, KVTierMetadata(saves=[Transfer("C", [key(2)], 2, a[:4] + [6, 7])],
+                           writes=[Write("A", a[:5], 17, 18), Write("C", a[:4] + [6, 7], 16, 24)]))
+    assert client.committed == []
+    # vLLM went back: A computes from block 2 (token 8) again
+    step(w, KVTierMetadata(saves=[Transfer("A", [key(1), key(2)], 1, a)], writes=[Write("A", a, 8, 24)]),
+         loads_after_forward=True)
+    assert client.committed == [("A", [key(1), key(2)])]
+    step(w, KVTierMetadata(saves=[Transfer("C", [key(3)], 3, a[:4] + [6, 7, 8, 9])],
+                           writes=[Write("C", a[:4] + [6, 7, 8, 9], 24, 32)]))
+    assert client.committed == [("A", [key(1), key(2)])]  # C attended to its suspect blocks 6-7
+
+
+def test_a_lease_lost_at_release_is_reported_even_when_vllm_asks_before_wait_for_save():
+    client = FakeClient(lose={"A"})
+    w = worker(client)
+    blocks = [0, 1, 2, 3]
+    meta = KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks)],
+                          saves=[Transfer("A", [key(2)], 2, blocks + [4, 5])],
+                          writes=[Write("A", blocks + [4, 5], 16, 24)])
+    assert step(w, meta, errors_first=True) == {0, 1, 2, 3}
+    assert client.committed == [] and client.abandoned == ["A"]
+
+
+def test_only_the_blocks_vllm_lacks_are_loaded_and_counted():
+    client = FakeClient()
+    w = worker(client)
+    chunk = torch.arange(LAYOUT.chunk_bytes // 4, dtype=torch.float32).view(torch.uint8)
+    client.stored = {key(0): chunk.clone(), key(1): chunk.clone() + 1}
+    # vLLM holds block 0 itself; chunk 1 is a partial chunk of one block (the tail)
+    t = load("A", [key(0), key(1)], [20, 21, 22], skip=1, tail=1)
+    assert step(w, KVTierMetadata(loads=[t], writes=[Write("A", [20, 21, 22, 23], 12, 13)])) == set()
+    pages = chunk.view(torch.float32)
+    page = BLOCK * 4  # floats per page (1 head x 4 tokens x 2*dim)
+    kv0 = w.kv[0]
+    assert torch.equal(kv0[20], torch.zeros_like(kv0[20]))  # vLLM's own block: untouched
+    assert torch.equal(kv0[21].flatten(), pages[page : 2 * page])
+    assert torch.equal(kv0[22].flatten(), (chunk.clone() + 1).view(torch.float32)[:page])
+    layer1 = LAYOUT.layer_bytes // 4
+    assert torch.equal(w.kv[1][21].flatten(), pages[layer1 + page : layer1 + 2 * page])
+    assert client.released == [{"request": "A", "took": [4, 4], "had": 0, "failed": 0}]
+
+
+def test_a_finished_request_is_saved_in_the_background_and_reported_done():
+    client = FakeClient()
+    w = worker(client)
+    for kv in w.kv:
+        kv[7].fill_(7.0)
+    fin = Transfer("F", [key(4), key(5)], 0, [3, 4, 7], tail_blocks=1)
+    step(w, KVTierMetadata(finishes=[fin]))
+    deadline = time.monotonic() + 10
+    done = set()
+    while not done and time.monotonic() < deadline:
+        done = w.get_finished({"F"}) or set()
+        time.sleep(0.01)
+    assert done == {"F"}
+    assert client.committed == [("F", [key(4), key(5)])]
+    tail = client.stored[key(5)].view(torch.float32)
+    assert torch.all(tail[: BLOCK * 4] == 7.0)  # the tail's one block, at the chunk's start
+
+
+def test_a_suspect_finished_request_is_reported_done_without_a_save():
+    client = FakeClient(give={"A": 1})
+    w = worker(client)
+    blocks = [0, 1, 2, 3]
+    step(w, KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks)], writes=[Write("A", blocks + [4], 16, 17)]))
+    step(w, KVTierMetadata(finishes=[Transfer("A", [key(2)], 2, blocks + [4, 5])]))
+    assert w.get_finished({"A"}) == {"A"} and client.committed == []
+
+
+def test_a_worker_whose_kv_is_not_in_the_named_layout_misses_and_frees_everything():
+    client = FakeClient()
+    w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("FLASH_ATTN"))
+    w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(2)}, NUM_BLOCKS)
+    assert not w.enabled
+    failed = step(w, KVTierMetadata(loads=[load("A", [key(0)], [0, 1])],
+                                    finishes=[Transfer("F", [key(1)], 0, [2, 3])]))
+    assert failed == {0, 1} and w.get_finished({"F"}) == {"F"} and client.committed == []
+
+
+# -- the scheduler half -------------------------------------------------------------------------
+
+def request(rid, tokens, salt=None):
+    return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), kv_transfer_params=None,
+                           cache_salt=salt, num_computed_tokens=0, num_in_flight_tokens=0)
+
+
+def blocks_of(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def output(new=(), cached=None, scheduled=None, preempted=()):
+    cached = cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=scheduled or {}, preempted_req_ids=set(preempted),
+                           finished_req_ids=set())
+
+
+@pytest.fixture
+def sched(tmp_path):
+    client = StoreClient(str(tmp_path / "nobody.sock"), model="m", layout=LAYOUT, page_format="p", retry_s=60)
+    s = SchedulerSide(client, client, BLOCK)
+    yield s
+    s.close()
+
+
+def test_a_resumed_request_saves_from_its_new_blocks_and_its_reply_too(sched):
+    r = request("R", range(4 * CHUNK))
+    sched.update_state_after_alloc(r, blocks_of([10, 11, 12, 13]), 0)
+    new = SimpleNamespace(req_id="R", block_ids=([10, 11, 12, 13],), num_computed_tokens=0)
+    meta = sched.build_connector_meta(output([new], scheduled={"R": 2 * CHUNK}))
+    assert [s.block_ids for s in meta.saves] == [[10, 11, 12, 13]]
+    # preempted (its blocks freed), then resumed with blocks 30..37, recomputing all
+    sched.build_connector_meta(output(preempted=["R"]))
+    assert sched.phase("R").value == "preempted"
+    sched.update_state_after_alloc(r, blocks_of([]), 0)
+    cached = SimpleNamespace(req_ids=["R"], resumed_req_ids={"R"}, new_block_ids=[([30, 31, 32, 33, 34, 35, 36, 37],)],
+                             num_computed_tokens=[0])
+    save = sched.build_connector_meta(output(cached=cached, scheduled={"R": 4 * CHUNK})).saves[0]
+    # all of it again, from its new blocks (chunks the daemon holds already are not copied)
+    assert (save.first_chunk, save.block_ids) == (0, [30, 31, 32, 33, 34, 35, 36, 37])
+    assert save.keys[:2] == meta.saves[0].keys
+    # it generates: its 5th chunk is saved by the step that computes its last token
+    r.all_token_ids += list(range(100, 100 + CHUNK))
+    cached = SimpleNamespace(req_ids=["R"], resumed_req_ids=set(), new_block_ids=[([38, 39],)],
+                             num_computed_tokens=[5 * CHUNK - 1])
+    save = sched.build_connector_meta(output(cached=cached, scheduled={"R": 1})).saves[0]
+    assert (save.first_chunk, len(save.keys)) == (4, 1)
+    # finished after BLOCK + 1 more tokens (the last one sampled, never computed): its full
+    # chunks are all saved; its tail of one block is, when vLLM frees the request
+    r.all_token_ids += list(range(200, 200 + BLOCK + 1))
+    r.num_computed_tokens = 5 * CHUNK + BLOCK
+    assert sched.request_finished(r, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40])
+    fin = sched.build_connector_meta(output()).finishes[0]
+    assert (fin.first_chunk, fin.tail_blocks, len(fin.keys), fin.block_ids[-1]) == (5, 1, 1, 40)
+
+
+def test_a_cache_salt_gives_other_keys(sched):
+    tokens = list(range(3 * CHUNK))
+    plain = sched._full_keys(request("a", tokens), tokens)
+    salted = sched._full_keys(request("b", tokens, salt="tenant-1"), tokens)
+    other = sched._full_keys(request("c", tokens, salt="tenant-2"), tokens)
+    assert len({plain[0], salted[0], other[0]}) == 3 and len({plain[2], salted[2], other[2]}) == 3
+
+
+def test_a_lookup_has_no_side_effects_and_a_daemon_away_is_a_miss(sched):
+    r = request("R", range(3 * CHUNK))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert sched.phase("R") is None  # nothing tracked until vLLM allocates

@@ -85,6 +85,7 @@ class SchedulerSide:
         self._loads: list[Transfer] = []
         self._finishes: list[Transfer] = []
         self._hints = ThreadPoolExecutor(1, "kvtier-hints")
+        self.preemptions = 0
 
     # -- keys ----------------------------------------------------------------------------------
     @staticmethod
@@ -182,6 +183,7 @@ class SchedulerSide:
             tr = self._tracked.get(rid)
             if tr is not None:
                 tr.phase, tr.block_ids = Phase.PREEMPTED, []
+                self.preemptions += 1
         for r in so.scheduled_new_reqs:
             tr = self._tracked.get(r.req_id)
             if tr is None:

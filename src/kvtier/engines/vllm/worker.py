@@ -162,6 +162,7 @@ class WorkerSide:
             return
         if layer == 0:
             self._saves = []
+            self._spread()  # as known now; wait_for_save decides with what the step's loads report
             for save in self._meta.saves:
                 if self._is_suspect(save):  # computed over blocks that never arrived
                     continue

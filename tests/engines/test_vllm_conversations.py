@@ -1,0 +1,190 @@
+"""Whole conversations through a real vLLM engine with the connector, in vLLM's own defaults
+(its prefix cache on) with a pool small enough to preempt and a token budget small enough to
+chunk every prefill. Every output must equal vLLM alone's -- a separate engine that never saw
+kvtier, run first on the same conversations."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvtier.engines.vllm.offline import drain
+from kvtier.engines.vllm.worker import WorkerSide
+
+from .test_vllm_connector import BLOCK, CHUNK, Daemon, assert_same, prompt
+
+MAX_TOKENS = 12
+POOL_BLOCKS = 32  # five 316-token requests that grow past 320 tokens: vLLM preempts
+BUDGET = 96  # tokens a step: a 300-token prompt is prefilled over four steps
+
+
+def turns(first: list[int], salt: int, n: int, out_of) -> list[list[int]]:
+    """The prompts of an ``n``-turn chat: each turn is the history, the reply, new tokens."""
+    prompts = [first]
+    for t in range(1, n):
+        prompts.append(prompts[-1] + list(out_of(prompts[-1]).token_ids) + prompt(40, salt + t))
+    return prompts
+
+
+def make(model_dir: Path, socket: Path | None):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    if socket is None:  # vLLM alone, as plain as it gets
+        return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=960,
+                   block_size=BLOCK, seed=0, enable_prefix_caching=False)
+    ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
+                           kv_role="kv_both",
+                           kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK})
+    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=960, block_size=BLOCK,
+               seed=0, enable_prefix_caching=True, num_gpu_blocks_override=POOL_BLOCKS,
+               max_num_batched_tokens=BUDGET, max_num_seqs=4, kv_transfer_config=ktc)
+
+
+def run(llm, prompts, salts=None, wait=True):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    inputs = [{"prompt_token_ids": p} | ({"cache_salt": s} if s else {})
+              for p, s in zip(prompts, salts or [None] * len(prompts), strict=True)]
+    outs = llm.generate(inputs, sp, use_tqdm=False)
+    if wait and llm.llm_engine.vllm_config.kv_transfer_config is not None:
+        assert drain(llm)
+    return outs
+
+
+CHAT, BATCH = prompt(300, 21), [prompt(316, 30 + i) for i in range(5)]
+SHARED = prompt(4 * CHUNK, 40)
+PAIR = [SHARED + prompt(100, 41), SHARED + prompt(120, 42)]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    saved = dict(os.environ)
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    ref_llm = make(tiny_model_dir, None)
+    want: dict[tuple[int, ...], object] = {}
+
+    def ref_out(p):
+        key = tuple(p)
+        if key not in want:
+            want[key] = run(ref_llm, [p])[0].outputs[0]
+        return want[key]
+
+    chat = turns(CHAT, 22, 3, ref_out)
+    for p in [*chat, *BATCH, *PAIR, prompt(300, 50), prompt(300, 51)]:
+        ref_out(p)
+    del ref_llm
+    gc.collect()
+    tmp = tmp_path_factory.mktemp("conv")
+    daemon = Daemon(tmp, tiny_model_dir, host_chunks=64).start()
+    llm = make(tiny_model_dir, daemon.socket)
+    try:
+        yield llm, daemon, want, chat
+    finally:
+        del llm
+        gc.collect()
+        daemon.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def loaded(daemon) -> int:
+    return sum(daemon.stats()["loaded_tokens"].values())
+
+
+def scheduler_side(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+
+
+def test_the_third_turn_of_a_chat_computes_only_its_new_tokens(stack):
+    llm, daemon, want, chat = stack
+    for i, p in enumerate(chat):
+        llm.reset_prefix_cache()  # vLLM's own cache has forgotten the chat: only kvtier holds it
+        before = loaded(daemon)
+        out = run(llm, [p])[0]
+        assert_same([out.outputs[0]], [want[tuple(p)]])
+        if i:
+            history = len(chat[i - 1]) + MAX_TOKENS  # the last turn's prompt and reply
+            new = len(p) - history
+            computed = len(p) - out.num_cached_tokens
+            assert computed - new <= BLOCK, (i, computed, new)  # at most one block of history
+            assert loaded(daemon) - before == out.num_cached_tokens  # vLLM's count agrees with kvtier's
+
+
+def test_preempted_and_chunked_prefill_requests_give_vllms_own_output(stack):
+    llm, daemon, want, _ = stack
+    side = scheduler_side(llm)
+    before = side.preemptions
+    outs = run(llm, BATCH)  # together they do not fit in vLLM's pool
+    assert side.preemptions > before
+    assert_same([o.outputs[0] for o in outs], [want[tuple(p)] for p in BATCH])
+    llm.reset_prefix_cache()
+    outs = run(llm, BATCH)  # now from kvtier, preempted again
+    assert_same([o.outputs[0] for o in outs], [want[tuple(p)] for p in BATCH])
+    assert all(o.num_cached_tokens >= 4 * CHUNK for o in outs)
+
+
+def test_two_requests_sharing_a_prefix_in_one_step(stack):
+    llm, daemon, want, _ = stack
+    outs = run(llm, PAIR)
+    assert_same([o.outputs[0] for o in outs], [want[tuple(p)] for p in PAIR])
+    llm.reset_prefix_cache()
+    outs = run(llm, PAIR[::-1])
+    assert_same([o.outputs[0] for o in outs], [want[tuple(p)] for p in PAIR[::-1]])
+    assert all(o.num_cached_tokens >= 4 * CHUNK for o in outs)
+
+
+def test_requests_with_another_cache_salt_never_share_chunks(stack):
+    llm, daemon, want, _ = stack
+    p = prompt(300, 50)
+    run(llm, [p], ["alice"])
+    llm.reset_prefix_cache()
+    before = loaded(daemon)
+    out = run(llm, [p], ["bob"])[0]
+    assert out.num_cached_tokens == 0 and loaded(daemon) == before  # alice's chunks are not bob's
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+    llm.reset_prefix_cache()
+    out = run(llm, [p], ["alice"])[0]
+    assert out.num_cached_tokens >= 4 * CHUNK  # her own are hers
+
+
+def test_a_copy_that_fails_midway_is_recomputed_with_vllms_own_output(stack, monkeypatch):
+    llm, daemon, want, _ = stack
+    p = prompt(300, 51)
+    run(llm, [p])  # saved
+    llm.reset_prefix_cache()
+    real, calls = WorkerSide._copy_in, []
+
+    def failing(self, plan):  # the fault: the copy thread dies after its first layer's copies
+        calls.append(1)
+        copier = self._copier
+        real_load = copier.load
+        n = [0]
+
+        def load(copy):
+            n[0] += 1
+            if n[0] > len(plan):
+                raise OSError("injected: copy failed")
+            real_load(copy)
+
+        copier.load = load
+        try:
+            real(self, plan)
+        finally:
+            del copier.load
+
+    monkeypatch.setattr(WorkerSide, "_copy_in", failing)
+    before = daemon.stats()["engine_load_failures"]
+    out = run(llm, [p])[0]
+    monkeypatch.undo()
+    assert calls and daemon.stats()["engine_load_failures"] > before
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+    llm.reset_prefix_cache()
+    out = run(llm, [p])[0]  # what the failed step computed was not saved over the good chunks
+    assert_same([out.outputs[0]], [want[tuple(p)]])
