@@ -141,6 +141,7 @@ class ChunkCache:
                                lambda key, ok: self._remote_level.uploaded(key, ok),  # type: ignore[union-attr]
                                self._lock, position_of=lambda key: self.index.position(key))
         self._changed = self.mover.changed
+        self.mover.on_relock = self._record_lookups
         self.placement = Placement(policies, self.mover)
         self.index = self.placement.index
         self._remote_level: RemoteLevel | None = None
@@ -487,6 +488,7 @@ class ChunkCache:
                 # another thread's eviction, or a move holding pins (a write-through copy),
                 # will end soon: wait for it rather than refuse the chunk
                 self._changed.wait(left)  # type: ignore[union-attr]
+                self._record_lookups()  # those made while it waited
                 state = self._slot_state(key)
                 if state is not None:
                     return state

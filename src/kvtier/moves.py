@@ -120,7 +120,11 @@ class TierMover:
                     self.transfers.register(src, dst)
         self._local = threading.local()
         self.in_flight = 0
-        """Copies out of DRAM running now with the lock released (under the lock)."""
+        """Copies out of DRAM running now with the lock released, and uploads holding DRAM pins
+        (under the lock)."""
+        self.on_relock: Callable[[], None] | None = None
+        """Called whenever the lock is taken back after a body ran without it (the cache records
+        the lookups made meanwhile, so their touches come before the next eviction)."""
         self._drains: dict[ChunkKey, int] = {}  # first key of a group being evicted -> its region
 
     # -- the caller's lock --------------------------------------------------------------------
@@ -140,7 +144,11 @@ class TierMover:
             self._lock.acquire()
             if frees_dram:
                 self.in_flight -= 1
-                self.notify()  # its pin may end now: room for a waiting writer
+            # whatever ran unlocked may have freed room (a pin ended, an eviction dropped an
+            # entry): a waiting writer looks again
+            self.notify()
+            if self.on_relock is not None:
+                self.on_relock()
 
     def notify(self) -> None:
         """Wake whoever waits for a reservation to end (call under the lock)."""

@@ -137,11 +137,16 @@ class RemoteLevel:
         if self.index.holds(key, self.level) or not host.pin(key):
             return
 
+        mover.in_flight += 1  # a writer waiting for DRAM room waits for this pin to end
+
         def unpin() -> None:
             with self._lock:
                 host.unpin(key)
+                mover.in_flight -= 1
+                mover.notify()
 
         if mover.upload(key, host.view(key), after=unpin, seg=host.segment_of(key)):
             self.placement.stats.writes_down[self.level] += 1
         else:
             host.unpin(key)
+            mover.in_flight -= 1
