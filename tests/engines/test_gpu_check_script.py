@@ -1,0 +1,16 @@
+"""The GPU check script (scripts/gpu_check.py) runs its checks on CPU where there is no GPU, so
+it cannot rot between the sessions that have one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+
+
+def test_the_gpu_check_script_passes_on_this_machine():
+    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" ok ") == 5
