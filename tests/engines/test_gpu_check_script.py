@@ -11,6 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
 def test_the_gpu_check_script_passes_on_this_machine():
-    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(SCRIPT)], check=False, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" ok ") == 5

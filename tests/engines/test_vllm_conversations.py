@@ -67,19 +67,19 @@ PAIR = [SHARED + prompt(100, 41), SHARED + prompt(120, 42)]
 def stack(tiny_model_dir, tmp_path_factory):
     saved = dict(os.environ)
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    ref_llm = make(tiny_model_dir, None)
+    alone = {"llm": make(tiny_model_dir, None)}
     want: dict[tuple[int, ...], object] = {}
 
     def ref_out(p):
         key = tuple(p)
         if key not in want:
-            want[key] = run(ref_llm, [p])[0].outputs[0]
+            want[key] = run(alone["llm"], [p])[0].outputs[0]
         return want[key]
 
     chat = turns(CHAT, 22, 3, ref_out)
     for p in [*chat, *BATCH, *PAIR, prompt(300, 50), prompt(300, 51)]:
         ref_out(p)
-    del ref_llm
+    alone.clear()  # one engine at a time
     gc.collect()
     tmp = tmp_path_factory.mktemp("conv")
     daemon = Daemon(tmp, tiny_model_dir, host_chunks=64).start()
@@ -118,7 +118,7 @@ def test_the_third_turn_of_a_chat_computes_only_its_new_tokens(stack):
 
 
 def test_preempted_and_chunked_prefill_requests_give_vllms_own_output(stack):
-    llm, daemon, want, _ = stack
+    llm, _, want, _ = stack
     side = scheduler_side(llm)
     before = side.preemptions
     outs = run(llm, BATCH)  # together they do not fit in vLLM's pool
@@ -131,7 +131,7 @@ def test_preempted_and_chunked_prefill_requests_give_vllms_own_output(stack):
 
 
 def test_two_requests_sharing_a_prefix_in_one_step(stack):
-    llm, daemon, want, _ = stack
+    llm, _, want, _ = stack
     outs = run(llm, PAIR)
     assert_same([o.outputs[0] for o in outs], [want[tuple(p)] for p in PAIR])
     llm.reset_prefix_cache()
