@@ -149,6 +149,22 @@ def test_a_lease_lost_at_release_is_reported_even_when_vllm_asks_before_wait_for
     assert client.committed == [] and client.abandoned == ["A"]
 
 
+def test_a_step_that_raised_leaves_nothing_open_for_the_next():
+    client = FakeClient()
+    w = worker(client)
+    blocks = [0, 1, 2, 3, 4, 5]
+    w.bind(KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks[:4])],
+                          saves=[Transfer("A", [key(2)], 2, blocks)], writes=[Write("A", blocks, 16, 24)]))
+    w.start_load_kv()
+    w.save_kv_layer("l0", w.kv[0])  # the forward pass raises here: no wait_for_save
+    assert step(w, KVTierMetadata()) == {0, 1, 2, 3}  # the next step ends what it left open
+    assert client.abandoned == ["A"] and client.committed == []
+    assert client.released[0]["failed"] == 2
+    step(w, KVTierMetadata(saves=[Transfer("B", [key(3)], 3, blocks + [6, 7])],
+                           writes=[Write("B", blocks + [6, 7], 24, 32)]))
+    assert client.committed == []  # B attended to blocks 4-5, computed by the step that raised
+
+
 def test_only_the_blocks_vllm_lacks_are_loaded_and_counted():
     client = FakeClient()
     w = worker(client)

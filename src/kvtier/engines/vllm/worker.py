@@ -88,7 +88,19 @@ class WorkerSide:
 
     # -- a step --------------------------------------------------------------------------------
     def bind(self, meta: KVTierMetadata) -> None:
-        """A new step's plan. Everything of the step before has ended (``wait_for_save``)."""
+        """A new step's plan. If the step before never reached ``wait_for_save`` (its forward
+        pass raised), what it left open ends here: its loads are reported failed, its reserved
+        slots abandoned, and every block it computed is suspect."""
+        if self._leases or self._saves or self._load_thread is not None:
+            log.warning("kvtier: a step ended without wait_for_save; its loads and saves are dropped")
+            self._copy_failed = True
+            self._finish_loads()
+            for _, lease in self._saves:
+                if lease is not None:
+                    self.client.abandon(lease)
+            self._saves = []
+            for w in self._meta.writes:
+                self._suspect.update(w.block_ids[w.start // self.block_size :])
         self._meta = meta
         self._loaded = False
         self._copy_failed = False
