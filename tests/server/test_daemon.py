@@ -319,3 +319,17 @@ def test_the_remote_tier_is_configured_in_its_own_section(tmp_path):
     ]:
         with pytest.raises(ValueError, match=words):
             daemon_config({**base, "remote": bad})
+
+
+def test_a_probe_says_which_keys_are_held_each_on_its_own_and_counts_nothing(daemon):
+    client = daemon.client()
+    tokens = list(range(3 * C))
+    client.save(tokens, make_kv(LAYOUT, 3 * C, seed=3))
+    keys = client.keys_for(tokens)
+    other = client.keys_for([9] * C)[0]
+    before = client.stats()
+    assert client.probe([other, keys[2], keys[0]]) == [None, "host", "host"]  # not a prefix
+    after = client.stats()
+    assert (after["lookups"], after["tiers"]["host"]["hits"]) == (before["lookups"], before["tiers"]["host"]["hits"])
+    assert daemon.client(model="another@model").probe(keys) == [None] * 3  # other namespaces: nothing
+    client.close()
