@@ -40,7 +40,7 @@ def env():
     os.environ.update(saved)
 
 
-def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False):
+def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False, **extra):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -49,7 +49,7 @@ def make_llm(model_dir: Path, socket: Path | None, prefix_caching: bool = False)
         ktc = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK},
+            kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK, **extra},
         )
     return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=2048,
                block_size=BLOCK, seed=0, enable_prefix_caching=prefix_caching, kv_transfer_config=ktc)
@@ -228,6 +228,29 @@ def test_a_step_over_a_failed_load_saves_nothing_and_the_next_request_is_exact(e
         assert daemon.stats()["hit_tokens"] > 0
     finally:
         StoreClient.acquire = real
+        del llm
+        gc.collect()
+        daemon.stop()
+
+
+def test_loads_between_steps_give_vllms_own_output(env, tiny_model_dir, reference, tmp_path, monkeypatch):
+    """vLLM's async loading: a hit request waits out of the batch while its chunks are copied,
+    and is scheduled once the worker reports them there."""
+    from kvtier.engines.vllm.worker import WorkerSide
+
+    between = []
+    real = WorkerSide._load_between_steps
+    monkeypatch.setattr(WorkerSide, "_load_between_steps", lambda self, t: (between.append(t.req_id), real(self, t)))
+    daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=24).start()
+    llm = make_llm(tiny_model_dir, daemon.socket, load_async=True)
+    try:
+        ps = [prompt(300, 0), prompt(520, 9)]
+        assert_same(generate(llm, ps), ref(reference, ps))
+        assert_same(generate(llm, ps), ref(reference, ps))
+        assert len(between) == 2  # both hits were loaded between steps
+        snap = daemon.stats()
+        assert sum(snap["loaded_tokens"].values()) >= 4 * CHUNK + 8 * CHUNK
+    finally:
         del llm
         gc.collect()
         daemon.stop()

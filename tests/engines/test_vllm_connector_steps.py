@@ -194,7 +194,7 @@ def test_a_finished_request_is_saved_in_the_background_and_reported_done():
     deadline = time.monotonic() + 10
     done = set()
     while not done and time.monotonic() < deadline:
-        done = w.get_finished({"F"}) or set()
+        done = w.get_finished({"F"})[0] or set()
         time.sleep(0.01)
     assert done == {"F"}
     assert client.committed == [("F", [key(4), key(5)])]
@@ -208,7 +208,7 @@ def test_a_suspect_finished_request_is_reported_done_without_a_save():
     blocks = [0, 1, 2, 3]
     step(w, KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks)], writes=[Write("A", blocks + [4], 16, 17)]))
     step(w, KVTierMetadata(finishes=[Transfer("A", [key(2)], 2, blocks + [4, 5])]))
-    assert w.get_finished({"A"}) == {"A"} and client.committed == []
+    assert w.get_finished({"A"}) == ({"A"}, None) and client.committed == []
 
 
 def test_a_worker_whose_kv_is_not_in_the_named_layout_misses_and_frees_everything():
@@ -218,7 +218,29 @@ def test_a_worker_whose_kv_is_not_in_the_named_layout_misses_and_frees_everythin
     assert not w.enabled
     failed = step(w, KVTierMetadata(loads=[load("A", [key(0)], [0, 1])],
                                     finishes=[Transfer("F", [key(1)], 0, [2, 3])]))
-    assert failed == {0, 1} and w.get_finished({"F"}) == {"F"} and client.committed == []
+    assert failed == {0, 1} and w.get_finished({"F"}) == ({"F"}, None) and client.committed == []
+
+
+def test_a_load_between_steps_is_reported_received_with_its_failed_blocks_no_later():
+    client = FakeClient(give={"A": 1})
+    w = worker(client)
+    chunk = torch.arange(LAYOUT.chunk_bytes // 4, dtype=torch.float32).view(torch.uint8)
+    client.stored = {key(0): chunk.clone()}
+    t = Transfer("A", [key(0), key(1)], 0, [5, 6, 7, 8], background=True)
+    errors: set[int] = set()
+    received = None
+    plans = iter([KVTierMetadata(loads=[t])])  # then empty steps, as vLLM runs while A waits
+    deadline = time.monotonic() + 10
+    while received is None and time.monotonic() < deadline:
+        w.bind(next(plans, KVTierMetadata()))
+        w.start_load_kv()
+        w.wait_for_save()
+        _, received = w.get_finished(set())  # vLLM asks for finished transfers first,
+        errors |= w.get_block_ids_with_load_errors()  # then for the blocks that failed
+        time.sleep(0.01)
+    assert received == {"A"} and errors == {7, 8}  # chunk 1 was not given
+    assert torch.equal(w.kv[0][5].flatten(), chunk.view(torch.float32)[: BLOCK * 4])
+    assert client.released[0]["took"] == [CHUNK]
 
 
 # -- the scheduler half -------------------------------------------------------------------------

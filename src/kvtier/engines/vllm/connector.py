@@ -145,7 +145,10 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.client, self._other, self.layout, self.block_size, adapter,
                                      _tp_agree() if tp_size > 1 else None)
         else:
-            self.scheduler = SchedulerSide(self.client, self._other, self.block_size)
+            load_async = cfg.get_from_extra_config("load_async", False)
+            if not isinstance(load_async, bool):
+                raise ValueError(f"kv_connector_extra_config.load_async must be true or false, got {load_async!r}")
+            self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async)
 
     # ==================================================================== scheduler side
     def _sched(self) -> SchedulerSide:
@@ -160,6 +163,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):  # type: ignore[no-untyped-def]
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        named = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        out: dict = {}
+        for tier, n in self._sched().hit_sources(request, num_external_tokens).items():
+            source = named.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            if n:
+                out[source] = out.get(source, 0) + n
+        return out
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:  # type: ignore[no-untyped-def]
         return self._sched().build_connector_meta(scheduler_output)
@@ -216,7 +230,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._work().get_block_ids_with_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._work().get_finished(finished_req_ids), None
+        return self._work().get_finished(finished_req_ids)
 
     def shutdown(self) -> None:
         if self.scheduler is not None:

@@ -26,6 +26,7 @@ class Copier:
             self._load_stream = torch.cuda.Stream(device)
             self._save_stream = torch.cuda.Stream(device)
             self._bg_stream = torch.cuda.Stream(device)
+            self._bg_load_stream = torch.cuda.Stream(device)
             self._events = [torch.cuda.Event() for _ in range(num_layers)]
 
     def ids(self, block_ids: list[int]) -> torch.Tensor:
@@ -70,6 +71,18 @@ class Copier:
         """Every load copy has landed: the read lease over their host slots may end."""
         if self.cuda:
             self._load_stream.synchronize()
+
+    # -- loads between steps (vLLM's async loading: a thread of their own) ----------------------
+    def load_now(self, kv: torch.Tensor, adapter, block_ids: list[int], pages: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        if not self.cuda:
+            adapter.scatter(kv, self.ids(block_ids), pages)
+            return
+        with torch.cuda.stream(self._bg_load_stream):
+            adapter.scatter(kv, self.ids(block_ids), pages.to(self.device, non_blocking=True))
+
+    def sync_now(self) -> None:
+        if self.cuda:
+            self._bg_load_stream.synchronize()
 
     # -- saves ---------------------------------------------------------------------------------
     def save(self, dst: torch.Tensor, src: torch.Tensor, background: bool = False) -> None:

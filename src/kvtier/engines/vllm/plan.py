@@ -25,6 +25,8 @@ class Transfer:
     skip_blocks: int = 0
     """Loads: blocks vLLM already holds itself (its prefix cache); not overwritten, not counted."""
     tail_blocks: int = 0
+    background: bool = False
+    """Loads: between steps, reported through ``get_finished`` (vLLM's async loading)."""
 
     def blocks(self, j: int, per_chunk: int) -> range:
         """Indices into ``block_ids`` of the blocks of ``keys[j]``."""

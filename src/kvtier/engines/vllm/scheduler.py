@@ -60,6 +60,8 @@ class _Lookup:
     tail: int
     local: int
     num_tokens: int
+    tiers: list[str] = field(default_factory=list)
+    """The tier of each of ``keys``, as the daemon said."""
 
 
 @dataclass
@@ -74,8 +76,13 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int) -> None:
+    def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int,
+                 load_async: bool = False) -> None:
         self.client = client
+        self.load_async = load_async
+        """Load between steps (vLLM schedules the request once the worker reports its load
+        done) instead of layer by layer inside the step that computes the rest of it."""
+        self._sources: dict[str, dict[str, int]] = {}
         self._hint_client = hint_client
         self.block_size = block_size
         self.chunk = client.layout.chunk_tokens if client.layout else block_size
@@ -121,7 +128,8 @@ class SchedulerSide:
             keys = self._full_keys(request, tokens[:n])
         except DaemonUnavailable:
             return 0, False
-        m = len(self.client.lookup_keys(keys, num_tokens=n, request=rid))
+        tiers = self.client.lookup_keys(keys, num_tokens=n, request=rid)
+        m = len(tiers)
         tail = 0
         room = min(self.per_chunk - 1, (n - m * self.chunk) // self.block_size)
         if room > 0 and m * self.chunk + room * self.block_size > num_computed_tokens:
@@ -131,9 +139,11 @@ class SchedulerSide:
             tail = next((k for k, t in zip(sizes, held, strict=True) if t is not None), 0)
             if tail:
                 keys = [*keys[:m], candidates[sizes.index(tail)]]
+                tiers = [*tiers, str(held[sizes.index(tail)])]
         hit = m * self.chunk + tail * self.block_size
-        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n)
-        return max(0, hit - num_computed_tokens), False
+        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers)
+        external = max(0, hit - num_computed_tokens)
+        return external, self.load_async and external > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
@@ -151,6 +161,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         tr.phase = Phase.LOADING
+        self._sources.pop(rid, None)
         if found is None:  # vLLM loads what no lookup of ours offered: let it recompute all
             log.error("kvtier: vLLM asked for %d tokens of request %s without a lookup", num_external_tokens, rid)
             self._loads.append(Transfer(rid, [], 0, tr.block_ids, skip_blocks=0))
@@ -173,7 +184,18 @@ class SchedulerSide:
                       "they are recomputed", num_external_tokens, rid)
             keys = []
         self._loads.append(Transfer(rid, keys, first, tr.block_ids[: -(-total // b)], skip_blocks=local // b,
-                                    tail_blocks=tail))
+                                    tail_blocks=tail, background=self.load_async))
+        sources: dict[str, int] = {}
+        for j, tier in enumerate(found.tiers[first : first + len(keys)]):
+            lo = max((first + j) * c, local)
+            hi = min((first + j + 1) * c, total)
+            sources[tier] = sources.get(tier, 0) + max(0, hi - lo)
+        self._sources[rid] = sources
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        """The tiers the request's external tokens come from (tokens per tier name)."""
+        got = self._sources.pop(str(request.request_id), {})
+        return got if sum(got.values()) == num_external_tokens else {"unspecified": num_external_tokens}
 
     # -- steps ---------------------------------------------------------------------------------
     def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]

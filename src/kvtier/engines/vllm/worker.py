@@ -59,8 +59,13 @@ class WorkerSide:
         self._lost: list[Transfer] = []
         self._saves: list[tuple[Transfer, WriteLease | None]] = []
         self._finishing = ThreadPoolExecutor(1, "kvtier-finish")
+        self._receiving = ThreadPoolExecutor(1, "kvtier-receive")
         self._done_lock = threading.Lock()
+        """Guards what the background threads hand over: the sets below and ``_failed``."""
         self._done: set[str] = set()
+        self._received: set[str] = set()
+        self._landed: list[tuple[list[int], list[int]]] = []
+        """Background loads done: (blocks that arrived, blocks that did not), for the suspects."""
 
     # -- setup ---------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, problem: str | None = None) -> None:
@@ -101,6 +106,11 @@ class WorkerSide:
             self._saves = []
             for w in self._meta.writes:
                 self._suspect.update(w.block_ids[w.start // self.block_size :])
+        with self._done_lock:
+            landed, self._landed = self._landed, []
+        for good, bad in landed:
+            self._suspect.difference_update(good)
+            self._suspect.update(bad)
         self._meta = meta
         self._loaded = False
         self._copy_failed = False
@@ -109,7 +119,10 @@ class WorkerSide:
         if self._loaded:
             return
         self._loaded = True
-        loads = self._meta.loads
+        loads = [t for t in self._meta.loads if not t.background]
+        for t in self._meta.loads:
+            if t.background:
+                self._receiving.submit(self._load_between_steps, t)
         if not loads:
             return
         if not self.enabled:
@@ -216,8 +229,50 @@ class WorkerSide:
         self._lost = []
 
     def _fail(self, blocks: list[int]) -> None:
-        self._failed.update(blocks)
+        with self._done_lock:
+            self._failed.update(blocks)
         self._suspect.update(blocks)
+
+    def _load_between_steps(self, load: Transfer) -> None:
+        """vLLM's async loading: the request waits, out of the batch, until ``get_finished``
+        reports it; blocks that did not arrive are reported as load errors first."""
+        wanted = [load.block_ids[i] for j in range(len(load.keys)) for i in load.blocks(j, self.per_chunk)
+                  if i >= load.skip_blocks] if load.keys else load.block_ids[load.skip_blocks :]
+        good: list[int] = []
+        try:
+            lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id) \
+                if load.keys and self.enabled else None
+            if lease is not None:
+                assert self._copier is not None
+                copied = False
+                try:
+                    for j, view in enumerate(lease.views):
+                        idx = [i for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks]
+                        first = (load.first_chunk + j) * self.per_chunk
+                        for layer, kv in enumerate(self.kv):
+                            lo = self.layout.layer_offset(layer)
+                            pages = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv, self.per_chunk)
+                            pages = pages[idx[0] - first : idx[-1] - first + 1] if idx else pages[:0]
+                            if idx:
+                                self._copier.load_now(kv, self.adapter, [load.block_ids[i] for i in idx], pages)
+                        good += [load.block_ids[i] for i in idx]
+                    self._copier.sync_now()
+                    copied = True
+                finally:
+                    took = [sum(self.block_size for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks)
+                            for j in range(len(lease.views))]
+                    intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views))
+                    if not (intact and copied):
+                        good = []
+        except Exception:
+            log.exception("kvtier: loading request %s between steps failed", load.req_id)
+            good = []
+        finally:
+            bad = [blk for blk in wanted if blk not in set(good)]
+            with self._done_lock:
+                self._failed.update(bad)  # reported no later than the request itself
+                self._landed.append((good, bad))
+                self._received.add(load.req_id)
 
     def _spread(self) -> None:
         """What each request computed this step is suspect if it attended to a suspect block it
@@ -308,13 +363,17 @@ class WorkerSide:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()  # (vLLM may ask before wait_for_save, with speculative decoding)
-        failed, self._failed = self._failed, set()
+        with self._done_lock:
+            failed, self._failed = self._failed, set()
         return failed
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose save is done, requests whose load between steps is done)."""
         with self._done_lock:
             done, self._done = self._done, set()
-        return done or None
+            received, self._received = self._received, set()
+        return done or None, received or None
 
     def close(self) -> None:
+        self._receiving.shutdown(wait=True)
         self._finishing.shutdown(wait=True)
