@@ -77,7 +77,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         return want[key]
 
     chat = turns(CHAT, 22, 3, ref_out)
-    for p in [*chat, *BATCH, *PAIR, prompt(300, 50), prompt(300, 51)]:
+    for p in [*chat, *BATCH, *PAIR, prompt(300, 50), prompt(300, 51), prompt(300, 52)]:
         ref_out(p)
     alone.clear()  # one engine at a time
     gc.collect()
@@ -187,4 +187,22 @@ def test_a_copy_that_fails_midway_is_recomputed_with_vllms_own_output(stack, mon
     assert_same([out.outputs[0]], [want[tuple(p)]])
     llm.reset_prefix_cache()
     out = run(llm, [p])[0]  # what the failed step computed was not saved over the good chunks
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+
+
+def test_an_aborted_request_saves_what_it_computed_and_holds_nothing(stack):
+    from vllm import SamplingParams
+
+    llm, _, want, _ = stack
+    p = prompt(300, 52)
+    engine = llm.llm_engine
+    engine.add_request("abort-me", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=200))
+    for _ in range(8):  # its prefill (four steps) and a few tokens
+        engine.step()
+    engine.abort_request(["abort-me"])
+    assert drain(llm)
+    assert scheduler_side(llm).phase("abort-me") is None and not engine.has_unfinished_requests()
+    llm.reset_prefix_cache()
+    out = run(llm, [p])[0]
+    assert out.num_cached_tokens >= 4 * CHUNK + BLOCK  # its prompt, and the tail it had computed
     assert_same([out.outputs[0]], [want[tuple(p)]])
