@@ -277,6 +277,8 @@ class WorkerSide:
     def _spread(self) -> None:
         """What each request computed this step is suspect if it attended to a suspect block it
         did not compute again itself; sound again if it computed it from its first token."""
+        if not self._suspect:  # the usual step: nothing to spread (and nothing to clean)
+            return
         b = self.block_size
         changed = True
         while changed:  # a request may read blocks another one computes in the same step
@@ -295,7 +297,7 @@ class WorkerSide:
                         changed = True
 
     def _is_suspect(self, t: Transfer) -> bool:
-        return any(blk in self._suspect for blk in t.all_blocks(self.per_chunk))
+        return bool(self._suspect) and any(blk in self._suspect for blk in t.all_blocks(self.per_chunk))
 
     def wait_for_save(self) -> None:
         self.start_load_kv()  # (vLLM calls it after the forward pass when a step loads nothing)
