@@ -252,10 +252,13 @@ class SchedulerSide:
         save (vLLM keeps its blocks until the worker reports it in ``get_finished``)."""
         rid = str(request.request_id)
         self._lookups.pop(rid, None)
+        self._sources.pop(rid, None)
         tr = self._tracked.pop(rid, None)
         if tr is not None and not skipped(request):
             self._hints.submit(self._hint, "finished", rid)
-        if tr is None or skipped(request) or tr.phase in (Phase.PREEMPTED, Phase.WAITING):
+        if tr is None or skipped(request) or tr.phase in (Phase.PREEMPTED, Phase.WAITING, Phase.LOADING):
+            # (a request aborted while it loads between steps: vLLM keeps its blocks until the
+            # load is reported done, and they hold nothing kvtier lacks)
             return False
         tokens = list(request.all_token_ids)
         valid = min(request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0), len(tokens))
