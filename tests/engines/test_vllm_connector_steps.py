@@ -165,6 +165,54 @@ def test_a_step_that_raised_leaves_nothing_open_for_the_next():
     assert client.committed == []  # B attended to blocks 4-5, computed by the step that raised
 
 
+def test_a_forward_pass_that_raised_commits_nothing_though_vllm_ends_the_step():
+    """vLLM calls wait_for_save in a ``finally``: a step whose forward pass raised after its
+    first layer still ends there, and its half-copied chunks must not be committed."""
+    client = FakeClient()
+    w = worker(client)
+    blocks = [0, 1, 2, 3]
+    w.bind(KVTierMetadata(saves=[Transfer("A", [key(0), key(1)], 0, blocks)], writes=[Write("A", blocks, 0, 16)]))
+    w.start_load_kv()
+    w.save_kv_layer("l0", w.kv[0])  # layer 1 never runs
+    w.wait_for_save()
+    assert client.committed == [] and client.abandoned == ["A"]
+    step(w, KVTierMetadata(saves=[Transfer("B", [key(2)], 2, blocks + [4, 5])], writes=[Write("B", blocks + [4, 5], 16, 24)]))
+    assert client.committed == []  # B attended to what the failed step computed
+
+
+def test_the_ranks_of_a_tensor_parallel_group_agree_on_every_commit():
+    """Rank 1 lost its shard of A's load; rank 0 did not. Both must abandon A's save (each
+    rank's KV depends on every other's), and both must take part in every agreement."""
+    import threading
+
+    barrier, votes = threading.Barrier(2), {}
+
+    def agree_as(rank):
+        def agree(flags):
+            votes[rank] = list(flags)
+            barrier.wait(timeout=10)
+            return [all(v[i] for v in votes.values()) for i in range(len(flags))]
+        return agree
+
+    clients = [FakeClient(), FakeClient(give={"A": 1})]
+    workers = []
+    for rank, client in enumerate(clients):
+        w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), agree_as(rank))
+        w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(2)}, NUM_BLOCKS)
+        workers.append(w)
+    blocks = [0, 1, 2, 3, 4, 5]
+    meta = KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks[:4])],
+                          saves=[Transfer("A", [key(2)], 2, blocks)], writes=[Write("A", blocks, 16, 24)])
+    threads = [threading.Thread(target=step, args=(w, meta)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert votes == {0: [True], 1: [False]}
+    assert clients[0].committed == [] and clients[0].abandoned == ["A"]
+    assert clients[1].committed == []
+
+
 def test_only_the_blocks_vllm_lacks_are_loaded_and_counted():
     client = FakeClient()
     w = worker(client)
@@ -306,6 +354,27 @@ def test_a_cache_salt_gives_other_keys(sched):
     salted = sched._full_keys(request("b", tokens, salt="tenant-1"), tokens)
     other = sched._full_keys(request("c", tokens, salt="tenant-2"), tokens)
     assert len({plain[0], salted[0], other[0]}) == 3 and len({plain[2], salted[2], other[2]}) == 3
+
+
+def test_a_lora_adapter_and_an_image_give_other_keys_and_prompt_embeds_skip(sched):
+    from kvtier.engines.vllm.scheduler import skipped
+
+    tokens = list(range(3 * CHUNK))
+    base = sched._full_keys(request("a", tokens), tokens)
+    lora = request("b", tokens)
+    lora.lora_request = SimpleNamespace(lora_name="adapter-1")
+    assert sched._full_keys(lora, tokens)[0] != base[0]
+
+    def with_image(name):
+        r = request("c", tokens)
+        r.mm_features = [SimpleNamespace(mm_position=SimpleNamespace(offset=CHUNK + 2, length=4), identifier=name)]
+        return sched._full_keys(r, tokens)
+
+    one, other = with_image("img-a"), with_image("img-b")
+    assert one[0] == base[0] and one[1] != base[1] and one[1] != other[1]  # from the image's chunk on
+    embeds = request("d", tokens)
+    embeds.prompt_embeds = torch.zeros(3, 2)
+    assert skipped(embeds) and sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
 
 
 def test_a_lookup_has_no_side_effects_and_a_daemon_away_is_a_miss(sched):

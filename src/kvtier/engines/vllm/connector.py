@@ -187,6 +187,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def take_events(self):  # type: ignore[no-untyped-def]
         return ()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:  # type: ignore[type-arg]
+        return True  # its per-layer hooks must run: a full CUDA graph replay would skip them
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: vLLM never waits for it to deliver

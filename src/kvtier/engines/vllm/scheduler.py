@@ -17,7 +17,9 @@ KV but the blocks' last partial one.
 A lookup (``get_num_new_matched_tokens``, which vLLM may call several times for one request and
 requires to be free of side effects) asks the daemon for the longest held run of full chunks,
 then for the longest held partial chunk after it, and remembers what it found for
-``update_state_after_alloc``; it tells the daemon nothing else.
+``update_state_after_alloc``. It changes nothing in vLLM or in the connector's state; the
+daemon counts the lookup and its policy sees the chunks touched (under the request's id, so a
+request looked up twice is one use).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, tail_key
+from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
 from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
@@ -47,6 +49,8 @@ def skipped(request) -> bool:  # type: ignore[no-untyped-def]
     """A request may opt out: ``SamplingParams(extra_args={"kv_transfer_params":
     {"kvtier": "skip"}})`` -- no lookup, no save (a baseline run, a private prompt)."""
     params = getattr(request, "kv_transfer_params", None) or {}
+    if getattr(request, "prompt_embeds", None) is not None:
+        return True  # its KV depends on embeddings, not on token ids a key could name
     return params.get("kvtier") == "skip"
 
 
@@ -95,12 +99,23 @@ class SchedulerSide:
         self.preemptions = 0
 
     # -- keys ----------------------------------------------------------------------------------
-    @staticmethod
-    def _extra(request) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
-        """vLLM's ``cache_salt`` keeps prompts apart in its own prefix cache; chained into the
-        first chunk's key, it keeps them apart in kvtier too."""
+    def _extra(self, request) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
+        """What besides token ids makes a request's KV, as vLLM's own block hashes have it,
+        chained into the keys: its ``cache_salt`` and LoRA adapter (into the first chunk's key,
+        so into every key) and the content hash of each image (into the chunks its placeholder
+        tokens lie in)."""
+        extras: dict[int, bytes] = {}
         salt = getattr(request, "cache_salt", None)
-        return {0: b"cache_salt:" + str(salt).encode()} if salt else None
+        lora = getattr(request, "lora_request", None)
+        head = (b"cache_salt:" + str(salt).encode() if salt else b"") + \
+            (b"lora:" + str(getattr(lora, "lora_name", lora)).encode() if lora is not None else b"")
+        if head:
+            extras[0] = head
+        spans = [(f.mm_position.offset, f.mm_position.offset + f.mm_position.length, str(f.identifier))
+                 for f in getattr(request, "mm_features", None) or ()]
+        for i, more in image_extras(spans, self.chunk).items():
+            extras[i] = extras.get(i, b"") + more
+        return extras or None
 
     def _full_keys(self, request, tokens: list[int]) -> list[ChunkKey]:  # type: ignore[no-untyped-def]
         return chunk_tokens_of(tokens, self.client.namespace(), self.chunk, self._extra(request)).keys
@@ -108,13 +123,15 @@ class SchedulerSide:
     def _tail_key(self, request, keys: list[ChunkKey], tokens: list[int], chunk: int, blocks: int) -> ChunkKey:  # type: ignore[no-untyped-def]
         parent = keys[chunk - 1] if chunk else ROOT_KEY
         start = chunk * self.chunk
-        extra = (self._extra(request) or {}).get(0) if chunk == 0 else None
+        extra = (self._extra(request) or {}).get(chunk)
         return tail_key(parent, self.client.namespace(), tokens[start : start + blocks * self.block_size], extra)
 
     def _keys_of(self, tr: _Tracked, chunks: int) -> list[ChunkKey]:
+        """The keys of the request's first ``chunks`` chunks -- only ever of tokens whose KV is
+        computed (a token sampled but not yet computed may still be replaced)."""
         if len(tr.keys) < chunks:
             tokens = list(tr.request.all_token_ids)  # type: ignore[attr-defined]
-            tr.keys = self._full_keys(tr.request, tokens[: len(tokens) // self.chunk * self.chunk])
+            tr.keys = self._full_keys(tr.request, tokens[: chunks * self.chunk])
         return tr.keys[:chunks]
 
     # -- lookups -------------------------------------------------------------------------------

@@ -57,7 +57,10 @@ class WorkerSide:
         self._copy_failed = False
         self._leases: list[tuple[Transfer, ReadLease]] = []
         self._lost: list[Transfer] = []
-        self._saves: list[tuple[Transfer, WriteLease | None]] = []
+        self._saves: list[WriteLease | None] | None = None
+        """The write leases of this step's saves, one per planned save (None: not saved)."""
+        self._layers_saved = 0
+        self._ended = True
         self._finishing = ThreadPoolExecutor(1, "kvtier-finish")
         self._receiving = ThreadPoolExecutor(1, "kvtier-receive")
         self._done_lock = threading.Lock()
@@ -94,18 +97,10 @@ class WorkerSide:
     # -- a step --------------------------------------------------------------------------------
     def bind(self, meta: KVTierMetadata) -> None:
         """A new step's plan. If the step before never reached ``wait_for_save`` (its forward
-        pass raised), what it left open ends here: its loads are reported failed, its reserved
-        slots abandoned, and every block it computed is suspect."""
-        if self._leases or self._saves or self._load_thread is not None:
+        pass raised where vLLM does not call it), it ends here as a failed step."""
+        if not self._ended:
             log.warning("kvtier: a step ended without wait_for_save; its loads and saves are dropped")
-            self._copy_failed = True
-            self._finish_loads()
-            for _, lease in self._saves:
-                if lease is not None:
-                    self.client.abandon(lease)
-            self._saves = []
-            for w in self._meta.writes:
-                self._suspect.update(w.block_ids[w.start // self.block_size :])
+            self._end_step(failed=True)
         with self._done_lock:
             landed, self._landed = self._landed, []
         for good, bad in landed:
@@ -114,6 +109,8 @@ class WorkerSide:
         self._meta = meta
         self._loaded = False
         self._copy_failed = False
+        self._layers_saved = 0
+        self._ended = False
 
     def start_load_kv(self) -> None:
         if self._loaded:
@@ -185,16 +182,14 @@ class WorkerSide:
         layer = self._layer_of.get(layer_name)
         if layer is None or not self._meta.saves or not self.enabled:
             return
-        if layer == 0:
-            self._saves = []
+        if self._saves is None:  # the step's first layer: reserve the slots
             self._spread()  # as known now; wait_for_save decides with what the step's loads report
-            for save in self._meta.saves:
-                if self._is_suspect(save):  # computed over blocks that never arrived
-                    continue
-                self._saves.append((save, self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)))
+            self._saves = [None if self._is_suspect(save)  # computed over blocks that never arrived
+                           else self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
+                           for save in self._meta.saves]
         assert self._copier is not None
         lo = self.layout.layer_offset(layer)
-        for save, lease in self._saves:
+        for save, lease in zip(self._meta.saves, self._saves, strict=True):
             if lease is None:
                 continue
             for j, view in enumerate(lease.views):
@@ -203,6 +198,7 @@ class WorkerSide:
                 ids = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
                 dst = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv_layer, len(ids))
                 self._copier.save(dst, self.adapter.gather(kv_layer, self._copier.ids(ids)))
+        self._layers_saved += 1
 
     def _finish_loads(self) -> None:
         """Join the copies, end the step's read leases; blocks copied under a lease the daemon
@@ -300,17 +296,33 @@ class WorkerSide:
         return bool(self._suspect) and any(blk in self._suspect for blk in t.all_blocks(self.per_chunk))
 
     def wait_for_save(self) -> None:
+        """End the step: commit what it saved, if every layer of it was copied and none of it is
+        suspect (vLLM calls this even when the forward pass raised: then nothing is committed,
+        and what the step computed is suspect)."""
+        self._end_step(failed=bool(self._meta.saves) and self.enabled and self._layers_saved < len(self.kv))
+
+    def _end_step(self, failed: bool) -> None:
+        self._ended = True
+        if failed:
+            self._copy_failed = True  # loads of a failed step are not trusted either
         self.start_load_kv()  # (vLLM calls it after the forward pass when a step loads nothing)
         self._finish_loads()
         self._spread()
-        saves, self._saves = self._saves, []
-        finishes = self._meta.finishes if self.enabled else []
-        ok = [not self._is_suspect(s) for s, _ in saves] + [not self._is_suspect(f) for f in finishes]
+        if failed:  # (after the spread: what a failed step wrote is never sound)
+            for w in self._meta.writes:
+                self._suspect.update(w.block_ids[w.start // self.block_size :])
+        meta = self._meta
+        leases = self._saves if self._saves is not None else [None] * len(meta.saves)
+        self._saves = None
+        # one flag per planned save and finish, in the plan's order, on every rank alike
+        ok = [lease is not None and not failed and not self._is_suspect(save)
+              for save, lease in zip(meta.saves, leases, strict=True)]
+        ok += [self.enabled and not failed and not self._is_suspect(f) for f in meta.finishes]
         if self._agree is not None and ok:
             ok = self._agree(ok)
-        if self._copier is not None and saves:
+        if self._copier is not None and any(lease is not None for lease in leases):
             self._copier.sync_saves()
-        for (save, lease), good in zip(saves, ok, strict=False):
+        for save, lease, good in zip(meta.saves, leases, ok, strict=False):
             if lease is None:
                 continue
             if not good:
@@ -319,14 +331,11 @@ class WorkerSide:
             self.client.commit(lease)
             if len(lease.views) < len(save.keys):
                 self._save_rest(self.client, save, len(lease.views))
-        for f, good in zip(self._meta.finishes, ok[len(saves) :] if self.enabled else [], strict=False):
+        for f, good in zip(meta.finishes, ok[len(meta.saves) :], strict=True):
             if good:
                 self._finishing.submit(self._finish, f)
             else:
-                self._mark_done(f.req_id)
-        if not self.enabled:
-            for f in self._meta.finishes:
-                self._mark_done(f.req_id)
+                self._mark_done(f.req_id)  # vLLM frees its blocks: nothing of it is saved
 
     def _finish(self, save: Transfer) -> None:
         """A finished request's chunks, all layers at once, from blocks vLLM keeps for us."""
