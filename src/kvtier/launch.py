@@ -223,7 +223,8 @@ class ServeStack:
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self._tmp: str | None = None
+        self._tmp: list[str] = []
+        """Private directories this stack made (removed on stop)."""
         self.workdir = Path(config.workdir) if config.workdir else None
         self.socket: str | None = None
         self.daemon: _Child | None = None
@@ -234,11 +235,19 @@ class ServeStack:
         spec = self.config.vllm
         return f"http://{spec.host}:{spec.port}"
 
+    def _private_dir(self) -> str:
+        """A new private directory with a short path (a Unix socket path has ~100 bytes)."""
+        path = tempfile.mkdtemp(prefix="kvtier-serve-")
+        if len(path) > 80:
+            os.rmdir(path)
+            path = tempfile.mkdtemp(prefix="kvtier-serve-", dir="/tmp")
+        self._tmp.append(path)
+        return path
+
     # -- start -----------------------------------------------------------------------------
     def start(self) -> Self:
         if self.workdir is None:
-            self._tmp = tempfile.mkdtemp(prefix="kvtier-serve-")
-            self.workdir = Path(self._tmp)
+            self.workdir = Path(self._private_dir())
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             if self.config.store is not None:
@@ -251,7 +260,7 @@ class ServeStack:
 
     def _start_daemon(self, spec: StoreSpec) -> None:
         assert self.workdir is not None
-        self.socket = spec.socket or str(self.workdir / "kvtier.sock")
+        self.socket = spec.socket or str(Path(self._private_dir()) / "kvtier.sock")
         argv = [*_kvtier_argv(), "store", "serve", "--socket", self.socket,
                 "--host-bytes", str(spec.host_bytes)]
         if spec.disk_path is not None:
@@ -332,9 +341,8 @@ class ServeStack:
         for child in (self.vllm, self.daemon):
             if child is not None:
                 child.stop(self.config.grace_s)
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        while self._tmp:
+            shutil.rmtree(self._tmp.pop(), ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self.start()

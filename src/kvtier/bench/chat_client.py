@@ -7,7 +7,8 @@ own reply in its history (as a real chat client does), thinks, and sends the nex
 A turn's TTFT is the time from sending the request to the first streamed chunk (vLLM sends
 nothing before the first token is sampled); its TPOT is the time from that chunk to the last
 one over the reply's remaining tokens. Reply lengths are fixed per turn (``max_tokens`` with
-``min_tokens`` and ``ignore_eos``, vLLM's sampling extensions), greedy sampling.
+``min_tokens`` and ``ignore_eos``, vLLM's sampling extensions), greedy sampling, and a reply's
+text keeps its special tokens, so that it encodes back to the tokens generated.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=reply_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "min_tokens": reply_tokens},
+        # Special tokens are kept in the text (a model with random weights emits them
+        # mid-reply): dropped, the history would no longer hold the tokens the model
+        # generated, and no cache could serve the reply's KV at the next turn.
+        extra_body={"ignore_eos": True, "min_tokens": reply_tokens, "skip_special_tokens": False,
+                    "spaces_between_special_tokens": False},
     )
     first = last = None
     parts: list[str] = []

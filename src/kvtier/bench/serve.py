@@ -40,6 +40,12 @@ from kvtier.demo import resolve_model
 from kvtier.launch import ServeStack, StackConfig, StoreSpec, VLLMSpec
 
 CONFIGS = ("vllm", "kvtier")
+
+
+class RequestFailed(RuntimeError):
+    """A turn failed: the benchmark has no meaning without it (the message ends with vLLM's log)."""
+
+
 SERVED_NAME = "bench"
 _POOL_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -252,13 +258,17 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
             progress(f"{name}: starting vLLM{' and the kvtier daemon' if stack_cfg.store else ''}")
             with ServeStack(stack_cfg) as stack:
                 url = f"{stack.url}/v1"
-                warm_up(url, SERVED_NAME)
-                before = stack.stats() if stack.socket else None
-                progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
-                t0 = time.perf_counter()
-                records = run_conversations(url, SERVED_NAME, work.plans, in_flight=config.in_flight,
-                                            think_s=config.think_s)
-                wall = time.perf_counter() - t0
+                try:
+                    warm_up(url, SERVED_NAME)
+                    before = stack.stats() if stack.socket else None
+                    progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
+                    t0 = time.perf_counter()
+                    records = run_conversations(url, SERVED_NAME, work.plans,
+                                                in_flight=config.in_flight, think_s=config.think_s)
+                    wall = time.perf_counter() - t0
+                except Exception as exc:  # the server's log says why; it goes with the stack
+                    raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
+                                        f"{stack.log_text('vllm')[-4000:]}") from exc
                 stack.check()
                 delta = _kvtier_delta(before, stack.stats()) if before is not None else None
                 found = _POOL_LOG.findall(stack.log_text("vllm"))

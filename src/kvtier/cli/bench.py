@@ -254,7 +254,7 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
                 cpu_bind: str, directory: str | None, as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
     (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD), one after the other."""
-    from kvtier.bench.serve import ServeBenchConfig, run_serve_bench
+    from kvtier.bench.serve import RequestFailed, ServeBenchConfig, run_serve_bench
     from kvtier.launch import ChildDied, StartTimeout
 
     try:
@@ -269,7 +269,7 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
     err = Console(stderr=True)
     try:
         report = run_serve_bench(config, progress=lambda m: err.log(m))
-    except (ValueError, ChildDied, StartTimeout) as exc:
+    except (ValueError, ChildDied, StartTimeout, RequestFailed) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
         emit_json(report.as_dict())
@@ -533,7 +533,7 @@ def _print_serve(report: ServeBenchReport) -> None:
         ("later turns: computed beyond new tokens, median / mean",
          [f"{num(r.extra_computed_later['median'], '.0f')} / {num(r.extra_computed_later['mean'], '.0f')}"
           for r in report.results]),
-        ("kvtier hits DRAM / SSD (chunks)",
+        ("kvtier lookup hits DRAM / SSD (chunks; every lookup counts)",
          [f"{r.kvtier.get('host_hits', 0)} / {r.kvtier.get('disk_hits', 0)}" if r.kvtier else "-"
           for r in report.results]),
         ("kvtier tokens taken DRAM / SSD",

