@@ -382,3 +382,19 @@ def test_a_lookup_has_no_side_effects_and_a_daemon_away_is_a_miss(sched):
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.phase("R") is None  # nothing tracked until vLLM allocates
+
+
+def test_a_waiting_request_asked_about_every_step_is_looked_up_once_a_second(sched, monkeypatch):
+    from kvtier.engines.vllm import scheduler
+
+    calls = []
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: calls.append(1) or [])
+    r = request("R", range(3 * CHUNK))
+    for _ in range(50):  # vLLM's scheduler, while the request waits for blocks
+        sched.get_num_new_matched_tokens(r, 0)
+    assert len(calls) == 1
+    sched.get_num_new_matched_tokens(r, BLOCK)  # vLLM's own cache changed: asked again
+    assert len(calls) == 2
+    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+    sched.get_num_new_matched_tokens(r, BLOCK)
+    assert len(calls) == 3

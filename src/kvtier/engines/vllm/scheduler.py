@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +36,11 @@ from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
+
+LOOKUP_REUSE_S = 1.0
+"""How long a waiting request's lookup is reused while vLLM asks again each step (the daemon
+is asked once a second at most, not every step; a chunk evicted meanwhile is a failed load,
+which vLLM recomputes)."""
 
 
 class Phase(enum.Enum):
@@ -66,6 +72,9 @@ class _Lookup:
     num_tokens: int
     tiers: list[str] = field(default_factory=list)
     """The tier of each of ``keys``, as the daemon said."""
+    at: float = 0.0
+    """When (``time.monotonic``): a request waiting for blocks is asked about every step,
+    and the answer is reused for :data:`LOOKUP_REUSE_S`."""
 
 
 @dataclass
@@ -141,6 +150,11 @@ class SchedulerSide:
         n = len(tokens) - 1  # one token must be left to compute
         if skipped(request) or n < self.block_size:
             return 0, False
+        seen = self._lookups.get(rid)
+        if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens) \
+                and time.monotonic() - seen.at < LOOKUP_REUSE_S:
+            external = max(0, seen.chunks * self.chunk + seen.tail * self.block_size - num_computed_tokens)
+            return external, self.load_async and external > 0
         try:
             keys = self._full_keys(request, tokens[:n])
         except DaemonUnavailable:
@@ -158,7 +172,8 @@ class SchedulerSide:
                 keys = [*keys[:m], candidates[sizes.index(tail)]]
                 tiers = [*tiers, str(held[sizes.index(tail)])]
         hit = m * self.chunk + tail * self.block_size
-        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers)
+        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers,
+                                     time.monotonic())
         external = max(0, hit - num_computed_tokens)
         return external, self.load_async and external > 0
 
