@@ -155,3 +155,10 @@ def test_killing_the_daemon_stops_vllm_and_fails_naming_the_daemon(served, chat)
     assert time.monotonic() - t0 < 90
     err = served.err.read_text()
     assert "the kvtier daemon exited (status -9)" in err, err[-3000:]
+
+
+def test_a_model_that_is_neither_a_directory_nor_in_the_hub_cache_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(main, ["serve", "someorg/no-such-model"])
+    assert result.exit_code == 2
+    assert "neither a directory nor in the local Hugging Face cache" in result.output

@@ -8,7 +8,7 @@ from kvtier.cli.common import ByteSize
 
 
 @click.command("serve")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("model_dir")
 @click.option("--host-bytes", type=ByteSize(), default="16GiB", show_default=True,
               help="The daemon's DRAM tier, e.g. 16GiB (allocated in /dev/shm at start).")
 @click.option("--disk-path", default=None, help="The daemon's SSD tier directory.")
@@ -27,7 +27,8 @@ from kvtier.cli.common import ByteSize
 def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: int | None, port: int,
           host: str, socket_path: str | None, chunk_tokens: int | None, grace_s: float,
           vllm_args: tuple[str, ...]) -> None:
-    """Serve MODEL_DIR with vLLM's OpenAI API and kvtier under it, until interrupted.
+    """Serve MODEL_DIR (or a hub id in the local Hugging Face cache) with vLLM's OpenAI API
+    and kvtier under it, until interrupted.
 
     Flags after `--` go to vLLM's server as they are, e.g.
     `kvtier serve /models/qwen --disk-path /nvme/kv --disk-bytes 500GiB -- --dtype bfloat16`.
@@ -36,7 +37,12 @@ def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: in
     import signal
 
     from kvtier.launch import ChildDied, ServeStack, StackConfig, StartTimeout, StoreSpec, VLLMSpec
+    from kvtier.model_id import resolve_model_dir
 
+    try:
+        model_dir = str(resolve_model_dir(model_dir)[0])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     if (disk_path is None) != (disk_bytes is None):
         raise click.UsageError("--disk-path and --disk-bytes go together")
     try:
