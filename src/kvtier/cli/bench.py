@@ -247,11 +247,12 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
               help="VLLM_CPU_OMP_THREADS_BIND for every configuration.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Parent of the temporary directory (SSD tier, logs). Default: $TMPDIR or /tmp.")
+@click.option("--load-async", is_flag=True, help="The connector loads hits between steps (vLLM's async loading).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
-                cpu_bind: str, directory: str | None, as_json: bool) -> None:
+                cpu_bind: str, directory: str | None, load_async: bool, as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
     (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD), one after the other."""
     from kvtier.bench.serve import RequestFailed, ServeBenchConfig, run_serve_bench
@@ -263,7 +264,7 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
             think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
             pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
-            directory=directory)
+            directory=directory, load_async=load_async)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     err = Console(stderr=True)

@@ -23,9 +23,11 @@ from kvtier.cli.common import ByteSize
               help="Tokens per kvtier chunk [default: the connector's, 256].")
 @click.option("--grace-s", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Seconds a child may take to stop after SIGTERM before it is killed.")
+@click.option("--load-async", is_flag=True,
+              help="Load hits between steps, the request out of the batch (vLLM's async loading).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: int | None, port: int,
-          host: str, socket_path: str | None, chunk_tokens: int | None, grace_s: float,
+          host: str, socket_path: str | None, chunk_tokens: int | None, grace_s: float, load_async: bool,
           vllm_args: tuple[str, ...]) -> None:
     """Serve MODEL_DIR (or a hub id in the local Hugging Face cache) with vLLM's OpenAI API
     and kvtier under it, until interrupted.
@@ -47,7 +49,8 @@ def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: in
         raise click.UsageError("--disk-path and --disk-bytes go together")
     try:
         config = StackConfig(
-            vllm=VLLMSpec(model=model_dir, port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens),
+            vllm=VLLMSpec(model=model_dir, port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens,
+                          load_async=load_async),
             store=StoreSpec(host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
                             socket=socket_path),
             grace_s=grace_s,
