@@ -377,6 +377,42 @@ def test_a_lora_adapter_and_an_image_give_other_keys_and_prompt_embeds_skip(sche
     assert skipped(embeds) and sched.get_num_new_matched_tokens(embeds, 0) == (0, False)
 
 
+def test_adapters_are_told_apart_by_path_and_fields_never_run_together(sched):
+    tokens = list(range(3 * CHUNK))
+
+    def keys(salt=None, name=None, path=None):
+        r = request("r", tokens, salt=salt)
+        if name is not None:
+            r.lora_request = SimpleNamespace(lora_name=name, lora_path=path)
+        return sched._full_keys(r, tokens)[0]
+
+    assert keys(name="a", path="/v1") != keys(name="a", path="/v2")  # re-pointed adapter
+    assert keys(salt="xlora:foo") != keys(salt="x", name="foo", path="")
+
+
+def test_a_partial_chunk_key_names_only_the_images_within_it(sched):
+    tokens = list(range(2 * CHUNK))
+    plain, later = request("a", tokens), request("b", tokens)
+    later.mm_features = [SimpleNamespace(mm_position=SimpleNamespace(offset=CHUNK + BLOCK, length=2), identifier="i")]
+    keys = sched._full_keys(plain, tokens[:CHUNK])
+    # the partial chunk of one block of chunk 1 ends before the image: same key either way
+    assert sched._tail_key(plain, keys, tokens, 1, 1) == sched._tail_key(later, keys, tokens, 1, 1)
+
+
+def test_a_request_whose_load_failed_is_not_offered_kvtier_again_and_saves_what_it_redoes(sched, monkeypatch):
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: ["host"] * len(keys))
+    r = request("R", range(4 * CHUNK + 1))
+    assert sched.get_num_new_matched_tokens(r, 0)[0] == 4 * CHUNK
+    sched.update_state_after_alloc(r, blocks_of(range(20, 29)), 4 * CHUNK)
+    sched.build_connector_meta(output())
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids={22}, finished_recving=set()))
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # vLLM asks again: computed
+    # vLLM truncated it to chunk 1 and schedules it as new: chunks 1-3 are saved once redone
+    new = SimpleNamespace(req_id="R", block_ids=(list(range(20, 29)),), num_computed_tokens=CHUNK)
+    meta = sched.build_connector_meta(output([new], scheduled={"R": 3 * CHUNK}))
+    assert [(t.first_chunk, len(t.keys)) for t in meta.saves] == [(1, 3)]
+
+
 def test_a_lookup_has_no_side_effects_and_a_daemon_away_is_a_miss(sched):
     r = request("R", range(3 * CHUNK))
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)

@@ -121,7 +121,9 @@ class KVTierConnector(KVConnectorBase_V1):
         # looks up rank 0's (a rank missing a chunk reports its blocks as load errors).
         tp_rank, pp_rank = _ranks(role)
         self.backend = attention_backend(vllm_config)
-        fmt = page_format(self.backend, self.layout.dtype, self.block_size, tp_rank, tp_size)
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        fmt = page_format(self.backend, self.layout.dtype if cache_dtype == "auto" else f"kv{cache_dtype}",
+                          self.block_size, tp_rank, tp_size)
         self.page_format = fmt + (f"-pp{pp_rank}of{pp_size}" if pp_size > 1 else "")
         retry_s = float(cfg.get_from_extra_config("retry_s", 1.0))
         instance = str(getattr(cfg, "engine_id", "") or "")  # shared by the scheduler and its workers
@@ -182,7 +184,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._sched().request_finished(request, list(block_ids)), None
 
     def update_connector_output(self, connector_output) -> None:  # type: ignore[no-untyped-def]
-        return None
+        self._sched().update_connector_output(connector_output)
 
     def take_events(self):  # type: ignore[no-untyped-def]
         return ()

@@ -96,6 +96,9 @@ class SchedulerSide:
         """Load between steps (vLLM schedules the request once the worker reports its load
         done) instead of layer by layer inside the step that computes the rest of it."""
         self._sources: dict[str, dict[str, int]] = {}
+        self._loading: dict[str, list[int]] = {}
+        """Requests whose load is planned or running -> the blocks it writes."""
+        self._load_failed: set[str] = set()
         self._hint_client = hint_client
         self.block_size = block_size
         self.chunk = client.layout.chunk_tokens if client.layout else block_size
@@ -108,20 +111,31 @@ class SchedulerSide:
         self.preemptions = 0
 
     # -- keys ----------------------------------------------------------------------------------
-    def _extra(self, request) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
+    def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
         """What besides token ids makes a request's KV, as vLLM's own block hashes have it,
-        chained into the keys: its ``cache_salt`` and LoRA adapter (into the first chunk's key,
-        so into every key) and the content hash of each image (into the chunks its placeholder
-        tokens lie in)."""
+        chained into the keys: its ``cache_salt`` and LoRA adapter (name and path; into the first
+        chunk's key, so into every key) and the content hash of each image (into the chunks its
+        placeholder tokens lie in; with ``span``, only of the images within those tokens -- a
+        partial chunk's). Each field is length-prefixed, so no two sets of them read alike."""
+        def field(tag: bytes, value: object) -> bytes:
+            raw = str(value).encode()
+            return tag + len(raw).to_bytes(4, "little") + raw
+
         extras: dict[int, bytes] = {}
         salt = getattr(request, "cache_salt", None)
         lora = getattr(request, "lora_request", None)
-        head = (b"cache_salt:" + str(salt).encode() if salt else b"") + \
-            (b"lora:" + str(getattr(lora, "lora_name", lora)).encode() if lora is not None else b"")
+        head = field(b"salt", salt) if salt else b""
+        if lora is not None:
+            head += field(b"lora", getattr(lora, "lora_name", lora)) + field(b"path", getattr(lora, "lora_path", ""))
         if head:
             extras[0] = head
-        spans = [(f.mm_position.offset, f.mm_position.offset + f.mm_position.length, str(f.identifier))
-                 for f in getattr(request, "mm_features", None) or ()]
+        spans = []
+        for f in getattr(request, "mm_features", None) or ():
+            lo, hi = f.mm_position.offset, f.mm_position.offset + f.mm_position.length
+            if span is not None:
+                lo, hi = max(lo, span[0]), min(hi, span[1])
+            if lo < hi:
+                spans.append((lo, hi, field(b"image", f.identifier).hex()))
         for i, more in image_extras(spans, self.chunk).items():
             extras[i] = extras.get(i, b"") + more
         return extras or None
@@ -132,7 +146,7 @@ class SchedulerSide:
     def _tail_key(self, request, keys: list[ChunkKey], tokens: list[int], chunk: int, blocks: int) -> ChunkKey:  # type: ignore[no-untyped-def]
         parent = keys[chunk - 1] if chunk else ROOT_KEY
         start = chunk * self.chunk
-        extra = (self._extra(request) or {}).get(chunk)
+        extra = (self._extra(request, (start, start + blocks * self.block_size)) or {}).get(chunk)
         return tail_key(parent, self.client.namespace(), tokens[start : start + blocks * self.block_size], extra)
 
     def _keys_of(self, tr: _Tracked, chunks: int) -> list[ChunkKey]:
@@ -148,8 +162,8 @@ class SchedulerSide:
         rid = str(request.request_id)
         tokens = list(request.all_token_ids)
         n = len(tokens) - 1  # one token must be left to compute
-        if skipped(request) or n < self.block_size:
-            return 0, False
+        if skipped(request) or n < self.block_size or rid in self._load_failed:
+            return 0, False  # (a request whose load failed is computed, not offered it again)
         seen = self._lookups.get(rid)
         if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens) \
                 and time.monotonic() - seen.at < LOOKUP_REUSE_S:
@@ -215,8 +229,10 @@ class SchedulerSide:
             log.error("kvtier: vLLM's %d external tokens for request %s do not match the lookup; "
                       "they are recomputed", num_external_tokens, rid)
             keys = []
-        self._loads.append(Transfer(rid, keys, first, tr.block_ids[: -(-total // b)], skip_blocks=local // b,
-                                    tail_blocks=tail, background=self.load_async))
+        load = Transfer(rid, keys, first, tr.block_ids[: -(-total // b)], skip_blocks=local // b,
+                        tail_blocks=tail, background=self.load_async)
+        self._loads.append(load)
+        self._loading[rid] = load.block_ids[load.skip_blocks :]
         sources: dict[str, int] = {}
         for j, tier in enumerate(found.tiers[first : first + len(keys)]):
             lo = max((first + j) * c, local)
@@ -243,6 +259,8 @@ class SchedulerSide:
             if tr is None:
                 continue
             tr.block_ids = list(r.block_ids[0])
+            if r.num_computed_tokens < tr.stored * self.chunk:  # (a load between steps failed)
+                tr.stored = r.num_computed_tokens // self.chunk
             self._step(meta, tr, r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -285,6 +303,8 @@ class SchedulerSide:
         rid = str(request.request_id)
         self._lookups.pop(rid, None)
         self._sources.pop(rid, None)
+        self._loading.pop(rid, None)
+        self._load_failed.discard(rid)
         tr = self._tracked.pop(rid, None)
         if tr is not None and not skipped(request):
             self._hints.submit(self._hint, "finished", rid)
@@ -313,6 +333,17 @@ class SchedulerSide:
         self._finishes.append(Transfer(rid, keys, first, list(block_ids[: full * self.per_chunk + tail]),
                                        tail_blocks=tail))
         return True
+
+    def update_connector_output(self, output) -> None:  # type: ignore[no-untyped-def]
+        """A step's outcome from the workers: a request whose load failed (vLLM recomputes the
+        blocks) is not offered kvtier's chunks again -- a load that fails for good (a rank that
+        lacks its shard, a worker that is disabled) must not be retried forever."""
+        bad = set(getattr(output, "invalid_block_ids", None) or ())
+        for rid in list(self._loading):
+            if bad and bad.intersection(self._loading[rid]):
+                self._load_failed.add(rid)
+        for rid in getattr(output, "finished_recving", None) or ():
+            self._loading.pop(rid, None)
 
     def phase(self, req_id: str) -> Phase | None:
         tr = self._tracked.get(req_id)

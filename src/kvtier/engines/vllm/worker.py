@@ -96,11 +96,13 @@ class WorkerSide:
 
     # -- a step --------------------------------------------------------------------------------
     def bind(self, meta: KVTierMetadata) -> None:
-        """A new step's plan. If the step before never reached ``wait_for_save`` (its forward
-        pass raised where vLLM does not call it), it ends here as a failed step."""
-        if not self._ended:
-            log.warning("kvtier: a step ended without wait_for_save; its loads and saves are dropped")
-            self._end_step(failed=True)
+        """A new step's plan. If the step before never reached ``wait_for_save``, it ends here:
+        as a failed step if not every layer of its forward pass ran."""
+        if not self._ended:  # (pipeline-parallel ranks with speculative decoding never call it)
+            failed = self._incomplete()
+            if failed:
+                log.warning("kvtier: a step ended without wait_for_save; its loads and saves are dropped")
+            self._end_step(failed=failed)
         with self._done_lock:
             landed, self._landed = self._landed, []
         for good, bad in landed:
@@ -180,7 +182,10 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_of.get(layer_name)
-        if layer is None or not self._meta.saves or not self.enabled:
+        if layer is None:
+            return
+        self._layers_saved += 1  # (every layer of this rank ran: the step's forward pass is whole)
+        if not self._meta.saves or not self.enabled:
             return
         if self._saves is None:  # the step's first layer: reserve the slots
             self._spread()  # as known now; wait_for_save decides with what the step's loads report
@@ -198,7 +203,6 @@ class WorkerSide:
                 ids = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
                 dst = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv_layer, len(ids))
                 self._copier.save(dst, self.adapter.gather(kv_layer, self._copier.ids(ids)))
-        self._layers_saved += 1
 
     def _finish_loads(self) -> None:
         """Join the copies, end the step's read leases; blocks copied under a lease the daemon
@@ -299,7 +303,11 @@ class WorkerSide:
         """End the step: commit what it saved, if every layer of it was copied and none of it is
         suspect (vLLM calls this even when the forward pass raised: then nothing is committed,
         and what the step computed is suspect)."""
-        self._end_step(failed=bool(self._meta.saves) and self.enabled and self._layers_saved < len(self.kv))
+        self._end_step(failed=self._incomplete())
+
+    def _incomplete(self) -> bool:
+        """Whether the step computed something (it has writes) but not every layer of it ran."""
+        return bool(self._meta.writes) and self._layers_saved < len(self.kv)
 
     def _end_step(self, failed: bool) -> None:
         self._ended = True
