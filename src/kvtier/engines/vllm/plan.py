@@ -34,6 +34,19 @@ class Transfer:
         n = self.tail_blocks if self.tail_blocks and j == len(self.keys) - 1 else per_chunk
         return range(start, start + n)
 
+    def lacking(self, j: int, per_chunk: int) -> list[int]:
+        """Indices into ``block_ids`` of the blocks of ``keys[j]`` that vLLM lacks (past
+        ``skip_blocks``): what a load of that chunk fills."""
+        return [i for i in self.blocks(j, per_chunk) if i >= self.skip_blocks]
+
+    def lacking_ids(self, chunks: range, per_chunk: int) -> list[int]:
+        """The block ids a load of ``keys[j]`` for each ``j`` in ``chunks`` fills. A load with no
+        keys (one vLLM asked for that kvtier could not name) owes every block past
+        ``skip_blocks``."""
+        if not self.keys:
+            return self.block_ids[self.skip_blocks :]
+        return [self.block_ids[i] for j in chunks for i in self.lacking(j, per_chunk)]
+
     def all_blocks(self, per_chunk: int) -> list[int]:
         """The block ids of every chunk of the transfer."""
         return [self.block_ids[i] for j in range(len(self.keys)) for i in self.blocks(j, per_chunk)]

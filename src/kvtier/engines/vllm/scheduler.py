@@ -160,8 +160,7 @@ class SchedulerSide:
     # -- lookups -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
-        tokens = list(request.all_token_ids)
-        n = len(tokens) - 1  # one token must be left to compute
+        n = len(request.all_token_ids) - 1  # one token must be left to compute
         if skipped(request) or n < self.block_size or rid in self._load_failed:
             return 0, False  # (a request whose load failed is computed, not offered it again)
         seen = self._lookups.get(rid)
@@ -169,6 +168,7 @@ class SchedulerSide:
                 and time.monotonic() - seen.at < LOOKUP_REUSE_S:
             external = max(0, seen.chunks * self.chunk + seen.tail * self.block_size - num_computed_tokens)
             return external, self.load_async and external > 0
+        tokens = list(request.all_token_ids)
         try:
             keys = self._full_keys(request, tokens[:n])
         except DaemonUnavailable:

@@ -56,7 +56,6 @@ class WorkerSide:
         self._load_thread: threading.Thread | None = None
         self._copy_failed = False
         self._leases: list[tuple[Transfer, ReadLease]] = []
-        self._lost: list[Transfer] = []
         self._saves: list[WriteLease | None] | None = None
         """The write leases of this step's saves, one per planned save (None: not saved)."""
         self._layers_saved = 0
@@ -126,8 +125,7 @@ class WorkerSide:
             return
         if not self.enabled:
             for load in loads:
-                self._lost.append(load)
-                self._fail(load.block_ids[load.skip_blocks :])
+                self._fail(load.lacking_ids(range(len(load.keys)), self.per_chunk))
             return
         plan: list[tuple[Transfer, list[torch.Tensor]]] = []
         for load in loads:
@@ -136,11 +134,7 @@ class WorkerSide:
             if lease is not None:
                 self._leases.append((load, lease))
             plan.append((load, views))
-            got = len(views)
-            missing = [load.block_ids[i] for j in range(got, len(load.keys)) for i in load.blocks(j, self.per_chunk)
-                       if i >= load.skip_blocks]
-            if not load.keys:
-                missing = load.block_ids[load.skip_blocks :]
+            missing = load.lacking_ids(range(len(views), len(load.keys)), self.per_chunk)
             if missing:  # chunks the daemon could not give (lost, or the daemon died): recomputed
                 self._fail(missing)
         assert self._copier is not None
@@ -151,19 +145,15 @@ class WorkerSide:
 
     def _copy_in(self, plan: list[tuple[Transfer, list[torch.Tensor]]]) -> None:
         assert self._copier is not None
-        a, layout = self.adapter, self.layout
+        a = self.adapter
         try:
             for layer, kv in enumerate(self.kv):
-                lo = layout.layer_offset(layer)
                 for load, views in plan:
                     for j, view in enumerate(views):
-                        idx = [i for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks]
+                        idx = load.lacking(j, self.per_chunk)
                         if not idx:
                             continue
-                        first = (load.first_chunk + j) * self.per_chunk
-                        pages = a.pages(view[lo : lo + layout.layer_bytes], kv, self.per_chunk)
-                        if len(idx) < self.per_chunk:
-                            pages = pages[idx[0] - first : idx[-1] - first + 1]
+                        pages = self._lacking_pages(view, layer, kv, load, j, idx)
                         dst = [load.block_ids[i] for i in idx]
                         self._copier.load(lambda k=kv, d=dst, p=pages: a.scatter(k, self._copier.ids(d), self._copier.up(p)))
                 self._copier.layer_done(layer)
@@ -193,7 +183,6 @@ class WorkerSide:
                            else self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
                            for save in self._meta.saves]
         assert self._copier is not None
-        lo = self.layout.layer_offset(layer)
         for save, lease in zip(self._meta.saves, self._saves, strict=True):
             if lease is None:
                 continue
@@ -201,7 +190,7 @@ class WorkerSide:
                 if view is None:
                     continue
                 ids = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
-                dst = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv_layer, len(ids))
+                dst = self._layer_pages(view, layer, kv_layer, len(ids))
                 self._copier.save(dst, self.adapter.gather(kv_layer, self._copier.ids(ids)))
 
     def _finish_loads(self) -> None:
@@ -212,21 +201,34 @@ class WorkerSide:
             self._load_thread = None
             assert self._copier is not None
             self._copier.sync()
-        c, b = self.layout.chunk_tokens, self.block_size
+        c = self.layout.chunk_tokens
         for load, lease in self._leases:
-            took = [sum(b for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks)
-                    for j in range(len(lease.views))]
+            took = self._took(load, len(lease.views))
             had = sum(c - t for t in took) if not load.tail_blocks else 0
             intact = self.client.release(lease, took=took, had=had,
                                          failed=len(lease.views) if self._copy_failed else 0)
-            blocks = [load.block_ids[i] for j in range(len(lease.views)) for i in load.blocks(j, self.per_chunk)
-                      if i >= load.skip_blocks]
+            blocks = load.lacking_ids(range(len(lease.views)), self.per_chunk)
             if not intact or self._copy_failed:
                 self._fail(blocks)
             else:
                 self._suspect.difference_update(blocks)  # freshly loaded: sound again
         self._leases = []
-        self._lost = []
+
+    def _took(self, load: Transfer, chunks: int) -> list[int]:
+        """Tokens vLLM takes of each of the first ``chunks`` chunks of ``load``."""
+        return [len(load.lacking(j, self.per_chunk)) * self.block_size for j in range(chunks)]
+
+    def _layer_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` pages of ``layer`` in a chunk's slot ``view``, in ``kv``'s shape."""
+        lo = self.layout.layer_offset(layer)
+        return self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv, count)
+
+    def _lacking_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, load: Transfer, j: int,
+                       idx: list[int]) -> torch.Tensor:
+        """The pages of blocks ``idx`` (``load.lacking(j)``, consecutive) in ``layer`` of
+        ``keys[j]``'s slot ``view``."""
+        first = (load.first_chunk + j) * self.per_chunk
+        return self._layer_pages(view, layer, kv, self.per_chunk)[idx[0] - first : idx[-1] - first + 1]
 
     def _fail(self, blocks: list[int]) -> None:
         with self._done_lock:
@@ -236,8 +238,7 @@ class WorkerSide:
     def _load_between_steps(self, load: Transfer) -> None:
         """vLLM's async loading: the request waits, out of the batch, until ``get_finished``
         reports it; blocks that did not arrive are reported as load errors first."""
-        wanted = [load.block_ids[i] for j in range(len(load.keys)) for i in load.blocks(j, self.per_chunk)
-                  if i >= load.skip_blocks] if load.keys else load.block_ids[load.skip_blocks :]
+        wanted = load.lacking_ids(range(len(load.keys)), self.per_chunk)
         good: list[int] = []
         try:
             lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id) \
@@ -247,20 +248,16 @@ class WorkerSide:
                 copied = False
                 try:
                     for j, view in enumerate(lease.views):
-                        idx = [i for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks]
-                        first = (load.first_chunk + j) * self.per_chunk
-                        for layer, kv in enumerate(self.kv):
-                            lo = self.layout.layer_offset(layer)
-                            pages = self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv, self.per_chunk)
-                            pages = pages[idx[0] - first : idx[-1] - first + 1] if idx else pages[:0]
-                            if idx:
+                        idx = load.lacking(j, self.per_chunk)
+                        if idx:
+                            for layer, kv in enumerate(self.kv):
+                                pages = self._lacking_pages(view, layer, kv, load, j, idx)
                                 self._copier.load_now(kv, self.adapter, [load.block_ids[i] for i in idx], pages)
                         good += [load.block_ids[i] for i in idx]
                     self._copier.sync_now()
                     copied = True
                 finally:
-                    took = [sum(self.block_size for i in load.blocks(j, self.per_chunk) if i >= load.skip_blocks)
-                            for j in range(len(lease.views))]
+                    took = self._took(load, len(lease.views))
                     intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views))
                     if not (intact and copied):
                         good = []
@@ -363,7 +360,6 @@ class WorkerSide:
         DRAM slot at the first layer, or a finished request's): while one round's chunks are
         committed and demoted, the next round finds room."""
         assert self._copier is not None
-        layout = self.layout
         while done < len(save.keys):
             lease = client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id)
             if lease is None or not lease.views:
@@ -373,8 +369,7 @@ class WorkerSide:
                     continue
                 ids = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
                 for layer, kv in enumerate(self.kv):
-                    lo = layout.layer_offset(layer)
-                    dst = self.adapter.pages(view[lo : lo + layout.layer_bytes], kv, len(ids))
+                    dst = self._layer_pages(view, layer, kv, len(ids))
                     self._copier.save(dst, self.adapter.gather(kv, self._copier.ids(ids)), background=True)
             self._copier.sync_saves(background=True)
             client.commit(lease)
