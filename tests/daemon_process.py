@@ -56,11 +56,7 @@ class DaemonProcess:
             self.proc.wait(timeout=30)
 
     def stats(self) -> dict:
-        client = StoreClient(str(self.socket))
-        try:
-            return client.stats()
-        finally:
-            client.close()
+        return daemon_stats(self.socket)
 
     def pause(self) -> None:
         """SIGSTOP the daemon, and wait until it is stopped (delivery is not immediate)."""
@@ -75,3 +71,12 @@ class DaemonProcess:
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
+
+
+def daemon_stats(socket_path: Path | str) -> dict:
+    """The stats of the daemon at ``socket_path``, through a client of its own."""
+    client = StoreClient(str(socket_path))
+    try:
+        return client.stats()
+    finally:
+        client.close()

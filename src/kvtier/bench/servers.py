@@ -27,19 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.errors import KVTierError
+from kvtier.launch import dying_with_parent
 
 LOOPBACK = "127.0.0.1"
 
 
 class ServerError(KVTierError, RuntimeError):
     """A server binary is missing or a server did not come up."""
-
-
-def _dying_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` under ``setpriv --pdeathsig KILL`` where util-linux has it, so that a crashed or
-    killed test or benchmark leaves no server behind (a parent-death signal, Linux only)."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
 
 
 def free_port() -> int:
@@ -108,7 +102,7 @@ class ServerProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = None if self._env is None else {**os.environ, **self._env}
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(_dying_with_parent(self.argv), stdout=logf, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(dying_with_parent(self.argv, "KILL"), stdout=logf, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=self.workdir, env=env,
                                          start_new_session=True)
         deadline = time.monotonic() + timeout_s
