@@ -55,6 +55,7 @@ from kvtier.store_types import (
     StoreStats,
 )
 from kvtier.tiers.base import Reservation, Tier, TierFullError
+from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.uploader import Uploader
@@ -462,14 +463,15 @@ class ChunkCache:
     # -- writes -------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, entry: Shape, *, position: int | None = None,
                 slot_bytes: int | None = None, remaining: int = 1,
-                deadline: float | None = None) -> Reservation | Slot:
+                deadline: float | None = None, fmt: KVFormat | None = None) -> Reservation | Slot:
         """A DRAM slot for new entry ``key`` (evicting as needed; waits up to ``room_wait_s`` for
         evictions other threads run), or why there is none to write: :attr:`Slot.HELD`,
         :attr:`Slot.BUSY`. Fill ``res.buffer``, then :meth:`commit`. Raises TierFullError if
         every resident entry is pinned or the policy does not admit chunk ``position`` of its
         sequence (``remaining``: chunks of the sequence from this one on, for the counts).
         ``slot_bytes``: the slot size to take when the entry is smaller (a part of a typed
-        object takes a chunk's slot)."""
+        object takes a chunk's slot). ``fmt``: what the bytes are when they are KV (a lower
+        tier with a codec stores them compressed; None: stored raw everywhere)."""
         shape = Shape(slot_bytes, entry.segment_bytes) if slot_bytes else entry
         wait_until = time.monotonic() + self.config.room_wait_s
         deadline = wait_until if deadline is None else min(deadline, wait_until)
@@ -495,7 +497,7 @@ class ChunkCache:
             state = self._slot_state(key)  # making room let others run
             if state is not None:
                 return state
-            return self.host.reserve(key, entry.nbytes, entry.segment_bytes, slot_bytes=slot_bytes)
+            return self.host.reserve(key, entry.nbytes, entry.segment_bytes, slot_bytes=slot_bytes, fmt=fmt)
 
     def _slot_state(self, key: ChunkKey) -> Slot | None:
         if key in self.index:

@@ -75,6 +75,8 @@ class StoreSpec:
     host_bytes: int = 16 << 30
     disk_path: str | None = None
     disk_bytes: int | None = None
+    disk_codec: str = "none"
+    """The SSD tier's codec (see :mod:`kvtier.tiers.codecs`; lossy unless ``none``)."""
     socket: str | None = None
     policy: str | None = None
     ready_timeout_s: float = 60.0
@@ -86,6 +88,8 @@ class StoreSpec:
             raise ValueError("store disk_path and disk_bytes go together (an SSD tier needs both)")
         if self.disk_bytes is not None and self.disk_bytes <= 0:
             raise ValueError(f"store disk_bytes must be positive, got {self.disk_bytes}")
+        if self.disk_codec not in ("none", "fp8", "int8", "int4", "auto"):
+            raise ValueError(f"store disk_codec must be none, fp8, int8, int4 or auto, got {self.disk_codec!r}")
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,8 @@ class ServeStack:
         argv = [*_kvtier_argv(), "store", "serve", "--socket", self.socket,
                 "--host-bytes", str(spec.host_bytes)]
         if spec.disk_path is not None:
-            argv += ["--disk-path", spec.disk_path, "--disk-bytes", str(spec.disk_bytes)]
+            argv += ["--disk-path", spec.disk_path, "--disk-bytes", str(spec.disk_bytes),
+                     "--disk-codec", spec.disk_codec]
         if spec.policy is not None:
             argv += ["--policy", spec.policy]
         self.daemon = _Child("daemon", argv, self.workdir / "daemon.log")

@@ -36,6 +36,7 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.core.placement import Copied, Move, Shape
 from kvtier.tiers.base import EntryExistsError, Reservation, Tier, TierFullError
+from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.uploader import Uploader
@@ -275,14 +276,16 @@ class TierMover:
         key, target = move.key, self.tiers[move.dst]
         view = self.host.view(key)  # pinned by the placement for the move
         seg = self.host.segment_of(key)
+        fmt = self.host.format_of(key)
         position = self._position_of(key)
         try:
             with self.unlocked(frees_dram=True):
                 if isinstance(target, DiskTier):
                     target.wait_deleted(key)  # an old copy of the key still being unlinked
-                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, position=position)
+                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg,
+                                                                   position=position, fmt=fmt)
                 else:
-                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg)
+                    stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, fmt=fmt)
         except (TierFullError, ValueError) as exc:  # room taken meanwhile; being written by another
             log.info("copying chunk %s from host to %s failed: %s", key.hex(), target.name, exc)
             return Copied.FAILED
@@ -391,6 +394,7 @@ class TierMover:
         key, source = move.key, self.tiers[move.src]
         shape = self.entry_of(move.src, key)
         seg = shape.segment_bytes if shape is not None else None
+        fmt = self.host.format_of(key) if move.src == 0 else None
         if move.src == 0:
             view = self.host.view(key)
             with self.unlocked(frees_dram=True):
@@ -400,10 +404,10 @@ class TierMover:
                 data = self._handler(move.src, move.dst).run(source.get, key)
         if data is None:
             return Copied.SOURCE_LOST
-        return Copied.QUEUED if self.upload(key, data, seg=seg) else Copied.FAILED
+        return Copied.QUEUED if self.upload(key, data, seg=seg, fmt=fmt) else Copied.FAILED
 
     def upload(self, key: ChunkKey, data: torch.Tensor, after: Callable[[], None] | None = None,
-               seg: int | None = None) -> bool:
+               seg: int | None = None, fmt: KVFormat | None = None) -> bool:
         """Queue ``data`` for the remote tier; ``after`` runs once the upload is over."""
         assert self.uploader is not None
         notify = self._uploaded
@@ -414,7 +418,7 @@ class TierMover:
             if notify is not None:
                 notify(key, ok)
 
-        return self.uploader.submit(key, data, done, seg)
+        return self.uploader.submit(key, data, done, seg, fmt)
 
     # -- reads given up on --------------------------------------------------------------------
     def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:

@@ -145,7 +145,7 @@ class RemoteLevel:
                 mover.in_flight -= 1
                 mover.notify()
 
-        if mover.upload(key, host.view(key), after=unpin, seg=host.segment_of(key)):
+        if mover.upload(key, host.view(key), after=unpin, seg=host.segment_of(key), fmt=host.format_of(key)):
             self.placement.stats.writes_down[self.level] += 1
         else:
             host.unpin(key)

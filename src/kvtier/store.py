@@ -54,6 +54,7 @@ from kvtier.store_types import (  # noqa: F401 (re-exported: the store's public 
     make_remote_tier,
 )
 from kvtier.tiers.base import Tier, TierFullError
+from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.host import HostTier
 from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 
@@ -69,6 +70,7 @@ class KVStore:
         self.layout = config.layout
         self.cache = ChunkCache(config.cache_config())
         self._chunk = Shape(self.layout.chunk_bytes, self.layout.layer_bytes)
+        self._fmt = KVFormat.of_layout(self.layout)
         self._namespaces: dict[str, Namespace] = {}
         self._layer_tokens: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -280,7 +282,7 @@ class KVStore:
         pending = []
         for i, key in enumerate(keys):
             try:
-                res = self.cache.reserve(key, self._chunk, position=i, remaining=len(keys) - i)
+                res = self.cache.reserve(key, self._chunk, position=i, remaining=len(keys) - i, fmt=self._fmt)
             except TierFullError:
                 dropped += len(keys) - i  # a later chunk without this one could never hit
                 break

@@ -25,6 +25,7 @@ from kvtier.tiers.base import (
     TierFullError,
     TierUnavailableError,
 )
+from kvtier.tiers.codecs import KVFormat
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class _Upload:
     """Called with the outcome, under nothing; it takes the store's lock itself."""
     segment_bytes: int
     """The entry's independently checksummed part (a layer of a chunk)."""
+    fmt: KVFormat | None = None
+    """What the bytes are when they are KV (a remote tier with a codec compresses them)."""
 
 
 class Uploader:
@@ -77,15 +80,16 @@ class Uploader:
             return key in self._pending
 
     def submit(self, key: ChunkKey, data: torch.Tensor, done: Callable[[bool], None],
-               segment_bytes: int | None = None) -> bool:
+               segment_bytes: int | None = None, fmt: KVFormat | None = None) -> bool:
         """Queue an upload; False (and ``done`` is not called) if already queued or full.
-        ``segment_bytes``: the entry's checksummed part (default: the uploader's, else whole)."""
+        ``segment_bytes``: the entry's checksummed part (default: the uploader's, else whole);
+        ``fmt``: what the bytes are, when they are KV."""
         seg = segment_bytes or self.segment_bytes or int(data.numel())
         with self._lock:
             if key in self._pending:
                 return False
             try:
-                self._queue.put_nowait(_Upload(key, data, done, seg))
+                self._queue.put_nowait(_Upload(key, data, done, seg, fmt))
             except queue.Full:
                 self.stats.overflow += 1
                 return False
@@ -148,7 +152,8 @@ class Uploader:
             groups.setdefault(batch[i].segment_bytes, []).append(i)
         results = {}
         for seg, idx in groups.items():
-            got = tier.put_many([batch[i].key for i in idx], [batch[i].data for i in idx], seg)
+            got = tier.put_many([batch[i].key for i in idx], [batch[i].data for i in idx], seg,
+                                fmts=[batch[i].fmt for i in idx])
             results.update(zip(idx, got, strict=True))
         for i, result in results.items():
             if isinstance(result, EntryExistsError):  # being written by another instance right now
@@ -165,7 +170,7 @@ class Uploader:
             if tier.contains(item.key):
                 return True
             try:
-                return tier.put(item.key, item.data, item.segment_bytes)
+                return tier.put(item.key, item.data, item.segment_bytes, fmt=item.fmt)
             except ValueError as exc:  # being written by another instance right now
                 log.info("remote tier did not take chunk %s: %s", item.key.hex(), exc)
                 return False

@@ -333,3 +333,34 @@ def test_a_probe_says_which_keys_are_held_each_on_its_own_and_counts_nothing(dae
     assert (after["lookups"], after["tiers"]["host"]["hits"]) == (before["lookups"], before["tiers"]["host"]["hits"])
     assert daemon.client(model="another@model").probe(keys) == [None] * 3  # other namespaces: nothing
     client.close()
+
+
+@pytest.mark.parametrize("page_format", ["", "vllm-cpu_attn-float32-bs16"])
+def test_a_daemon_with_a_compressed_ssd_serves_chunks_within_the_codec_bound(tmp_path, page_format):
+    from kvtier.tiers.codecs import KVFormat, error_bound
+
+    d = Daemon(tmp_path, write_through=False, extra=('codec = "int8"',)).start()
+    try:
+        n = 12 * C  # DRAM holds 8: four go down to SSD, compressed
+        kv = make_kv(LAYOUT, n, seed=9)
+        client = d.client(page_format=page_format)
+        assert client.save(list(range(n)), kv).stored == 12
+        hit = client.lookup(list(range(n)))
+        assert hit.hit_tokens == n and hit.tiers.count("disk") == 4
+        out = out_buffers(n)
+        assert client.load(hit, out).tokens == n
+        # kvtier's own layout quantizes keys per channel; an engine's pages per row
+        fmt = KVFormat("float32", LAYOUT.head_dim, 1 if page_format else 2)
+        for (k, v), (ok, ov) in zip(kv, out):
+            for i, tier in enumerate(hit.tiers):
+                sl = slice(i * C, (i + 1) * C)
+                want = torch.stack([k[:, sl], v[:, sl]]).contiguous()
+                got = torch.stack([ok[:, sl], ov[:, sl]])
+                if tier == "host":
+                    assert torch.equal(got, want)
+                else:
+                    bound = error_bound("int8", want.view(-1).view(torch.uint8), fmt).view_as(want)
+                    assert bool(((got - want).abs() <= bound).all()) and not torch.equal(got, want)
+        client.close()
+    finally:
+        d.stop()

@@ -14,11 +14,18 @@ Its prefill time is the recompute of the tokens after the loaded prefix (the
 read each loaded chunk from its tier; TTFT is queueing plus prefill (decoding is not modelled:
 prefill instances, as in Mooncake). ``prefill_saved`` is the share of prefill time saved against
 no cache; ``compute_saved`` the share of FLOPs.
+
+A codec on the SSD (``ssd_codec``) changes two things: the SSD holds more blocks in the same
+bytes (a block is stored at ``ssd_codec_ratio`` of its size), and an SSD hit reads fewer bytes
+but then decodes them (``ssd_decode_GBps``). Its quality cost is not modelled here: see
+``kvtier bench codecs``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -48,6 +55,13 @@ class ReplayConfig:
     ssd_read_GBps: float = 5.0
     compute: ComputeModel = field(default_factory=ComputeModel)
     instances: int = 4
+    ssd_codec: str = "none"
+    """The SSD tier's codec (a label: its figures are the two below)."""
+    ssd_codec_ratio: float = 1.0
+    """Stored bytes over raw bytes of a block with that codec: the SSD holds ``ssd_blocks /
+    ratio`` blocks (``ssd_blocks`` counts raw blocks' worth of bytes)."""
+    ssd_decode_GBps: float = math.inf
+    """Raw GB/s the codec decodes at: an SSD hit reads ``ratio`` of the bytes, then decodes."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -59,11 +73,23 @@ class ReplayConfig:
         for name in ("dram_read_GBps", "ssd_read_GBps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.ssd_codec_ratio <= 1 or (self.ssd_codec == "none") != (self.ssd_codec_ratio == 1):
+            raise ValueError(f"ssd_codec_ratio must be in (0, 1], and 1 exactly without a codec; "
+                             f"got {self.ssd_codec_ratio!r} for codec {self.ssd_codec!r}")
+        if not self.ssd_decode_GBps > 0:
+            raise ValueError(f"ssd_decode_GBps must be positive, got {self.ssd_decode_GBps!r}")
         SimConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
 
+    @property
+    def ssd_blocks_held(self) -> int:
+        """Blocks the SSD holds: its bytes over a block's stored size."""
+        return int(self.ssd_blocks / self.ssd_codec_ratio + 1e-9)
+
     def load_s(self, level: int) -> float:
-        gbps = self.dram_read_GBps if level == 0 else self.ssd_read_GBps
-        return self.layout.chunk_bytes / (gbps * 1e9)
+        if level == 0:
+            return self.layout.chunk_bytes / (self.dram_read_GBps * 1e9)
+        raw = self.layout.chunk_bytes
+        return raw * self.ssd_codec_ratio / (self.ssd_read_GBps * 1e9) + raw / (self.ssd_decode_GBps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -86,6 +112,9 @@ class ReplayResult:
     prefetch_accuracy: float | None
     """Share of prefetched chunks a lookup then found in DRAM; None if nothing was prefetched."""
     refused_blocks: int
+    ssd_codec: str = "none"
+    ssd_blocks_held: int = 0
+    """Blocks the SSD held (more than ``ssd_blocks`` with a codec)."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -94,7 +123,7 @@ class ReplayResult:
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay ``trace`` under ``config``. Deterministic."""
     compute, c = config.compute, MOONCAKE_BLOCK_TOKENS
-    pcfg = SimConfig(config.policy, config.dram_blocks, config.ssd_blocks)
+    pcfg = SimConfig(config.policy, config.dram_blocks, config.ssd_blocks_held)
     future = trace.future() if config.policy not in LIVE_POLICIES else None
     contexts = [TierContext(level=lvl, chunk_load_s=config.load_s(lvl), chunk_tokens=c,
                             compute=compute, future=future) for lvl in range(len(pcfg.capacities))]
@@ -146,6 +175,7 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     ssd_reads = place.mover.reads[1] if len(place.mover.reads) > 1 else 0
     total_blocks = trace.total_blocks
     chunk_bytes = config.layout.chunk_bytes
+    stored_bytes = chunk_bytes * config.ssd_codec_ratio
     return ReplayResult(
         policy=config.policy,
         dram_blocks=config.dram_blocks,
@@ -160,10 +190,12 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         ttft_mean_s=float(ttft.mean()),
         ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
-        ssd_bytes_written=sum(st.writes_down[1:]) * chunk_bytes,
-        ssd_bytes_read=ssd_reads * chunk_bytes,
+        ssd_bytes_written=int(sum(st.writes_down[1:]) * stored_bytes),
+        ssd_bytes_read=int(ssd_reads * stored_bytes),
         prefetch_accuracy=st.prefetch_hits / st.prefetched if st.prefetched else None,
         refused_blocks=st.refused,
+        ssd_codec=config.ssd_codec,
+        ssd_blocks_held=config.ssd_blocks_held,
     )
 
 
@@ -177,10 +209,7 @@ def sweep(trace: Trace, base: ReplayConfig, policies: list[str],
     for f in fractions:
         dram = max(1, round(f * trace.unique_blocks))
         for policy in policies:
-            cfg = ReplayConfig(policy=policy, dram_blocks=dram, ssd_blocks=base.ssd_blocks,
-                               layout=base.layout, dram_read_GBps=base.dram_read_GBps,
-                               ssd_read_GBps=base.ssd_read_GBps, compute=base.compute,
-                               instances=base.instances)
+            cfg = dataclasses.replace(base, policy=policy, dram_blocks=dram)
             results.append(replay(trace, cfg))
     return results
 

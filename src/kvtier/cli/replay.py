@@ -17,6 +17,24 @@ def _blocks(blocks: int | None, nbytes: int | None, chunk_bytes: int, name: str)
     return nbytes // chunk_bytes if nbytes is not None else blocks
 
 
+def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tuple[float, float]:
+    """(stored/raw ratio, decode GB/s) of ``codec`` for one layer of one block of ``layout``."""
+    import math
+
+    if codec == "none":
+        return 1.0, math.inf
+    from kvtier.tiers.codecs import KVFormat, frame_bytes, measure
+
+    fmt = KVFormat.of_layout(layout)
+    if fmt is None:
+        raise click.UsageError(f"--ssd-codec {codec}: no codec reads {layout.dtype} KV")  # type: ignore[attr-defined]
+    seg = layout.layer_bytes  # type: ignore[attr-defined]
+    ratio = frame_bytes(codec, seg, fmt) / seg
+    if decode_gbps is None:
+        decode_gbps = measure(fmt)[codec][1] / 1e9
+    return ratio, decode_gbps
+
+
 @click.command("replay")
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.argument("more_policies", nargs=-1, metavar="")
@@ -44,6 +62,11 @@ def _blocks(blocks: int | None, nbytes: int | None, chunk_bytes: int, name: str)
               show_default=True, help="SSD read bandwidth, GB/s.")
 @click.option("--instances", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill instances serving the queue.")
+@click.option("--ssd-codec", type=click.Choice(["none", "fp8", "int8", "int4"]), default="none",
+              show_default=True, help="The SSD tier's codec: it holds more blocks in the same bytes "
+                                      "(kvtier's measured ratio for this layout) and decodes on a hit.")
+@click.option("--decode-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The codec's decode rate, raw GB/s [default: measured on this machine].")
 @click.option("--sweep", is_flag=True,
               help="Sweep DRAM capacity over --fractions of the trace's unique blocks.")
 @click.option("--fractions", default="0.01,0.02,0.05,0.1,0.2,0.3,0.5", show_default=True,
@@ -55,8 +78,8 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
                dram_blocks: int | None, ssd_blocks: int | None, dram_bytes: int | None,
                ssd_bytes: int | None, layers: int, kv_heads: int, head_dim: int, dtype: str,
                hidden: int, params: float, tflops: float, dram_gbps: float, ssd_gbps: float,
-               instances: int, sweep: bool, fractions: str, as_json: bool,
-               plot_path: str | None) -> None:
+               instances: int, ssd_codec: str, decode_gbps: float | None, sweep: bool, fractions: str,
+               as_json: bool, plot_path: str | None) -> None:
     """Replay a Mooncake-format TRACE through placement policies over DRAM (+ SSD)."""
     from kvtier.bench.replay import ReplayConfig, replay
     from kvtier.bench.replay import plot as plot_replay
@@ -77,9 +100,11 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
         tr = load_trace(trace)
         if dram is None:
             dram = max(1, tr.unique_blocks // 10)
+        ratio, decode = _codec_figures(ssd_codec, layout, decode_gbps)
         configs = [ReplayConfig(policy=n, dram_blocks=dram, ssd_blocks=ssd, layout=layout,
                                 dram_read_GBps=dram_gbps, ssd_read_GBps=ssd_gbps,
-                                compute=compute, instances=instances) for n in names]
+                                compute=compute, instances=instances, ssd_codec=ssd_codec,
+                                ssd_codec_ratio=ratio, ssd_decode_GBps=decode) for n in names]
         if sweep:
             results = sweep_replay(tr, configs[0], names, fracs)
         else:
@@ -95,11 +120,11 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
         return
     table = Table(title=f"replay of {trace}: {len(tr.requests)} requests, "
                         f"{tr.unique_blocks} unique blocks")
-    for col in ("policy", "DRAM blk", "SSD blk", "hit blk", "hit tok", "DRAM", "SSD",
+    for col in ("policy", "DRAM blk", "SSD blk" if ssd_codec == "none" else f"SSD blk ({ssd_codec})", "hit blk", "hit tok", "DRAM", "SSD",
                 "prefill saved", "TTFT mean s", "p50 s", "p99 s", "SSD wr", "SSD rd", "prefetch acc"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
-        table.add_row(r.policy, str(r.dram_blocks), str(r.ssd_blocks), f"{r.hit_ratio_blocks:.1%}",
+        table.add_row(r.policy, str(r.dram_blocks), str(r.ssd_blocks_held), f"{r.hit_ratio_blocks:.1%}",
                       f"{r.hit_ratio_tokens:.1%}", f"{r.hit_ratio_dram:.1%}", f"{r.hit_ratio_ssd:.1%}",
                       f"{r.prefill_saved:.1%}", f"{r.ttft_mean_s:.3f}", f"{r.ttft_p50_s:.3f}",
                       f"{r.ttft_p99_s:.3f}", f"{r.ssd_bytes_written / 1e9:.0f} GB",

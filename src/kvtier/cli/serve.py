@@ -14,6 +14,8 @@ from kvtier.cli.common import ByteSize
 @click.option("--disk-path", default=None, help="The daemon's SSD tier directory.")
 @click.option("--disk-bytes", type=ByteSize(), default=None,
               help="The SSD tier's size, e.g. 500GiB (with --disk-path).")
+@click.option("--disk-codec", type=click.Choice(["none", "fp8", "int8", "int4", "auto"]), default="none",
+              show_default=True, help="Store SSD chunks compressed (lossy; none: exact).")
 @click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True,
               help="vLLM's HTTP port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="vLLM's HTTP address.")
@@ -26,7 +28,8 @@ from kvtier.cli.common import ByteSize
 @click.option("--load-async", is_flag=True,
               help="Load hits between steps, the request out of the batch (vLLM's async loading).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: int | None, port: int,
+def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: int | None, disk_codec: str,
+          port: int,
           host: str, socket_path: str | None, chunk_tokens: int | None, grace_s: float, load_async: bool,
           vllm_args: tuple[str, ...]) -> None:
     """Serve MODEL_DIR (or a hub id in the local Hugging Face cache) with vLLM's OpenAI API
@@ -52,7 +55,7 @@ def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: in
             vllm=VLLMSpec(model=model_dir, port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens,
                           load_async=load_async),
             store=StoreSpec(host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
-                            socket=socket_path),
+                            disk_codec=disk_codec, socket=socket_path),
             grace_s=grace_s,
         )
     except ValueError as exc:

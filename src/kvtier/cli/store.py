@@ -30,6 +30,8 @@ def _gone(ctx: click.Context, param: click.Parameter, value: object) -> None:
 @click.option("--host-bytes", type=ByteSize(), default=None, help="DRAM tier size, e.g. 16GiB.")
 @click.option("--disk-path", default=None, help="SSD tier directory.")
 @click.option("--disk-bytes", type=ByteSize(), default=None, help="SSD tier size, e.g. 500GiB.")
+@click.option("--disk-codec", type=click.Choice(["none", "fp8", "int8", "int4", "auto"]), default=None,
+              help="Store SSD chunks compressed (lossy; default none: exact).")
 @click.option("--policy", default=None, help="Placement policy: lru, attentionstore, cost.")
 @click.option("--tenant", default=None, help="Tenant of clients that name none.")
 @click.option("--write-through/--no-write-through", default=None,
@@ -39,7 +41,8 @@ def _gone(ctx: click.Context, param: click.Parameter, value: object) -> None:
 @click.option("--model", hidden=True, callback=_gone, expose_value=False)
 @click.option("--model-dir", hidden=True, callback=_gone, expose_value=False)
 def store_serve(config_path: str | None, socket_path: str | None, host_bytes: int | None,
-                disk_path: str | None, disk_bytes: int | None, policy: str | None, tenant: str | None,
+                disk_path: str | None, disk_bytes: int | None, disk_codec: str | None,
+                policy: str | None, tenant: str | None,
                 write_through: bool | None, metrics_port: int | None) -> None:
     """Run the store daemon until interrupted (no model needed: clients name theirs)."""
     import logging
@@ -58,10 +61,11 @@ def store_serve(config_path: str | None, socket_path: str | None, host_bytes: in
     raw.update({k: v for k, v in flags.items() if v is not None})
     if host_bytes is not None:
         raw["host"] = {**dict(raw.get("host") or {}), "capacity_bytes": host_bytes}  # type: ignore[call-overload]
-    if disk_path is not None or disk_bytes is not None:
+    if disk_path is not None or disk_bytes is not None or disk_codec is not None:
         raw["disk"] = {**dict(raw.get("disk") or {}),  # type: ignore[call-overload]
                        **({"path": disk_path} if disk_path else {}),
-                       **({"capacity_bytes": disk_bytes} if disk_bytes else {})}
+                       **({"capacity_bytes": disk_bytes} if disk_bytes else {}),
+                       **({"codec": disk_codec} if disk_codec else {})}
     try:
         service = StoreService(daemon_config(raw))
     except (ValueError, TypeError) as exc:

@@ -14,6 +14,7 @@
     capacity_bytes = "500GiB"
     fsync = false
     o_direct = true
+    codec = "none"                       # or "fp8", "int8", "int4" (lossy), "auto"
     mode = "0600"                        # chunk files; directories get search permission too
     group = "inference"                  # optional: a group name or id
     [access]                             # optional
@@ -61,7 +62,7 @@ _TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "boo
         "metrics_port": "int", "host": "table", "disk": "table", "remote": "table", "access": "table"}
 _HOST = {"capacity_bytes": "bytes", "extent_bytes": "bytes", "pin_memory": "bool"}
 _DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": "bool",
-         "mode": "mode", "group": "group"}
+         "mode": "mode", "group": "group", "codec": "str", "max_kl": "float"}
 _ACCESS = {"mode": "mode", "group": "group", "max_clients": "int", "orphan_grace_s": "seconds",
            "tenants": "table"}
 _REMOTE = {"backend": "str", "write": "str", "max_queued": "int", "verify_s": "seconds", "miss_s": "seconds",
@@ -97,6 +98,10 @@ def _value(where: str, kind: str, value: object) -> object:
     if kind == "seconds":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise bad("a number of seconds")
+        return float(value)
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise bad("a number >= 0")
         return float(value)
     if kind == "str":
         if not isinstance(value, str):

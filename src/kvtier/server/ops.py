@@ -135,7 +135,7 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
                 break  # answer within the client's timeout: it asks again for the rest
             try:
                 res = daemon.cache.reserve(key, ns.shape, position=first + i, remaining=len(keys) - i,
-                                           deadline=deadline)
+                                           deadline=deadline, fmt=ns.fmt)
             except TierFullError:
                 break
             if res is Slot.HELD:

@@ -12,6 +12,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Shape
 from kvtier.server import protocol
 from kvtier.server.protocol import BadRequest
+from kvtier.tiers.codecs import KVFormat
 
 ANY_UID = "*"
 
@@ -97,6 +98,17 @@ class ClientNamespace:
     @property
     def shape(self) -> Shape:
         return Shape(self.layout.chunk_bytes, self.layout.layer_bytes)
+
+    @property
+    def fmt(self) -> KVFormat | None:
+        """What this client's chunk bytes are, for the tiers' codecs. kvtier's own layout holds K
+        then V of each layer (keys quantized per channel); an engine's pages (``page_format``)
+        interleave K and V in a backend's own order, so they are quantized per row of
+        ``head_dim`` elements, whatever each row is."""
+        fmt = KVFormat.of_layout(self.layout)
+        if fmt is None or not self.page_format:
+            return fmt
+        return KVFormat(fmt.dtype, fmt.head_dim, 1)
 
     def namespace(self, tenant: str) -> Namespace:
         layout_id = self.layout.fingerprint + (f"/{self.page_format}" if self.page_format else "")

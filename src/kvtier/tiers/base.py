@@ -19,6 +19,11 @@ Pinning: ``pin(key)`` keeps an entry from being deleted (``delete`` raises
 :class:`EntryPinnedError`) until the matching ``unpin``. Pins nest. The store pins what it reads
 so that a concurrent eviction cannot pull an entry out from under a reader.
 
+Codecs: ``put`` and ``put_many`` take ``fmt`` (a :class:`~kvtier.tiers.codecs.KVFormat`, or
+None), what the bytes are when they are KV. A tier configured with a codec (SSD, remote) stores
+such entries compressed and reads them back as raw bytes (:mod:`kvtier.tiers.coded`); other
+tiers ignore it.
+
 Tiers are thread-safe. Buffers are torch ``uint8`` tensors so that copies use torch's kernels.
 """
 
@@ -42,6 +47,7 @@ from kvtier.errors import (  # noqa: F401 - re-exported: the tier contract's err
     TierFullError,
     TierUnavailableError,
 )
+from kvtier.tiers.codecs import KVFormat
 
 PAGE = 4096
 
@@ -149,8 +155,10 @@ class Tier(ABC):
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         """Publish (``ok``) or abandon the reservation. Returns whether the entry is now stored."""
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        """Reserve, copy ``data`` in and commit. Raises like :meth:`reserve`."""
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
+            fmt: KVFormat | None = None) -> bool:
+        """Reserve, copy ``data`` in and commit. Raises like :meth:`reserve`. ``fmt``: see the
+        module docstring (ignored here: stored raw)."""
         src = as_byte_tensor(data)
         res = self.reserve(key, src.numel(), segment_bytes)
         try:
@@ -161,7 +169,8 @@ class Tier(ABC):
         return self.commit(res, ok=True)
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
-                 segment_bytes: int | None = None) -> list[PutOutcome]:
+                 segment_bytes: int | None = None, *,
+                 fmts: Sequence[KVFormat | None] | None = None) -> list[PutOutcome]:
         """:meth:`put` each ``(key, data)``; per entry its result, or the TierFullError or
         EntryExistsError that ``put`` of that entry alone raises. Other bad arguments (sizes,
         lengths that differ) raise ValueError before anything is written. Default: one ``put``
@@ -176,9 +185,11 @@ class Tier(ABC):
                 raise ValueError(f"{self.name}: entry of {src.numel()} bytes does not fit a tier of "
                                  f"{self.capacity} bytes")
         results: list[PutOutcome] = []
-        for key, src in zip(keys, srcs, strict=True):
+        formats = list(fmts) if fmts is not None else [None] * len(keys)
+        self._paired(keys, formats, "formats")
+        for key, src, fmt in zip(keys, srcs, formats, strict=True):
             try:
-                results.append(self.put(key, src, segment_bytes))
+                results.append(self.put(key, src, segment_bytes, fmt=fmt))
             except (TierFullError, EntryExistsError) as exc:
                 results.append(exc)
         return results

@@ -10,7 +10,9 @@ File format (all integers little-endian)::
         u64 XXH3-64 of all the header bytes before it, zero padding
     payload (payload_len bytes, zero-padded to a multiple of 4096)
 
-Version 1 files (no position) are still read.
+Version 3 (written for entries stored through a codec, :mod:`kvtier.tiers.coded`) adds, after
+the position, raw_nbytes u64 and raw_segment_bytes u64, and keeps the codec's id in ``flags``;
+its payload is the codec's frames, one segment each. Version 1 files (no position) are still read.
 
 Guarantees:
 
@@ -33,6 +35,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -42,12 +45,14 @@ import queue
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
+from kvtier.core.codec_choice import DEFAULT_MAX_KL, choose_codec, figures_from
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.tiers.base import (
     PAGE,
@@ -59,6 +64,8 @@ from kvtier.tiers.base import (
     check_key,
     round_up,
 )
+from kvtier.tiers.codecs import CodecError, KVFormat, check_codec, measure
+from kvtier.tiers.coded import Coding, decode_range, encode_entry
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ MAGIC = b"KVTC"
 VERSION = 2
 _FIXED_V1 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
 _FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQI")
+_FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQ")
 _NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
 _GONE = (errno.ENOENT, errno.ENOTDIR)
@@ -86,6 +94,13 @@ class DiskTierConfig:
     """Permissions of chunk files; directories get the same plus search (0700 for 0600)."""
     group: int | None = None
     """Group id of the directory and its files (None: the owning process's)."""
+    codec: str = "none"
+    """Store KV chunks through this codec (``fp8``, ``int8``, ``int4``: lossy, 2-4x more chunks in
+    the same bytes; see :mod:`kvtier.tiers.codecs`), or ``auto``: the one that loads fastest on
+    this disk within ``max_kl`` (:mod:`kvtier.core.codec_choice`, measured when the tier opens).
+    Chunks of any codec are read back."""
+    max_kl: float = DEFAULT_MAX_KL
+    """``auto``'s quality budget: the largest mean KL (nats) a codec may cost."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -100,6 +115,10 @@ class DiskTierConfig:
                              f"(like 0o600 or 0o640), got {self.mode!r}")
         if self.group is not None and (not isinstance(self.group, int) or self.group < 0):
             raise ValueError(f"disk group must be a group id, got {self.group!r}")
+        if self.codec != "auto":
+            check_codec(self.codec, "disk")
+        if not isinstance(self.max_kl, (int, float)) or isinstance(self.max_kl, bool) or not self.max_kl >= 0:
+            raise ValueError(f"disk max_kl must be a number >= 0, got {self.max_kl!r}")
 
     @property
     def dir_mode(self) -> int:
@@ -113,23 +132,30 @@ class _Entry:
     header_len: int
     checksums: tuple[int, ...]
     position: int | None = None
+    coding: Coding | None = None
+    """Set when the payload holds a codec's frames (``nbytes``/``segment_bytes`` are then the
+    stored sizes, the coding has the raw ones)."""
 
     @property
     def file_bytes(self) -> int:
         return self.header_len + round_up(self.nbytes)
 
 
-def header_len_for(n_segments: int) -> int:
-    return round_up(_FIXED.size + 8 * n_segments + 8)
+def header_len_for(n_segments: int, coded: bool = False) -> int:
+    return round_up((_FIXED_V3 if coded else _FIXED).size + 8 * n_segments + 8)
 
 
 def _encode_header(
     key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int], seq: int,
-    position: int | None = None,
+    position: int | None = None, coding: Coding | None = None,
 ) -> bytes:
-    hlen = header_len_for(len(checksums))
+    hlen = header_len_for(len(checksums), coding is not None)
     pos = _NO_POSITION if position is None or not 0 <= position < _NO_POSITION else position
-    body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos)
+    if coding is None:
+        body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos)
+    else:
+        body = _FIXED_V3.pack(MAGIC, 3, coding.codec_id, hlen, key, nbytes, segment_bytes,
+                              len(checksums), seq, pos, coding.raw_nbytes, coding.raw_seg)
     body += struct.pack(f"<{len(checksums)}Q", *checksums)
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     return body.ljust(hlen, b"\0")
@@ -143,12 +169,19 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
     magic, version = struct.unpack_from("<4sH", raw)
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}")
+    raw_sizes = None
     if version == 1:
         fixed, position = _FIXED_V1, _NO_POSITION
         _m, _v, _flags, hlen, key, nbytes, seg, nseg, seq = fixed.unpack_from(raw)
     elif version == VERSION:
         fixed = _FIXED
         _m, _v, _flags, hlen, key, nbytes, seg, nseg, seq, position = fixed.unpack_from(raw)
+    elif version == 3:
+        fixed = _FIXED_V3
+        if len(raw) < fixed.size:
+            raise ValueError("header truncated")
+        _m, _v, flags, hlen, key, nbytes, seg, nseg, seq, position, raw_n, raw_seg = fixed.unpack_from(raw)
+        raw_sizes = (flags, raw_n, raw_seg)
     else:
         raise ValueError(f"unsupported version {version}")
     if hlen != round_up(fixed.size + 8 * nseg + 8) or len(raw) < hlen:
@@ -161,7 +194,8 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
         raise ValueError("header checksum mismatch")
     checksums = struct.unpack_from(f"<{nseg}Q", raw, fixed.size)
     pos = None if position == _NO_POSITION else position
-    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos), seq
+    coding = None if raw_sizes is None else Coding.parse(raw_sizes[0], raw_sizes[1], raw_sizes[2], nbytes, seg)
+    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos, coding), seq
 
 
 class _BufferPool:
@@ -258,6 +292,8 @@ class DiskTier(Tier):
         self._used = 0
         self._seq = 0  # write sequence: orders chunks oldest-first across restarts
         self._recover()
+        self.codec = self._choose_codec() if config.codec == "auto" else config.codec
+        """The codec new KV chunks are stored with (``auto`` resolved)."""
         self._unlinker = threading.Thread(target=self._unlink_loop, name="kvtier-disk-unlink", daemon=True)
         self._unlinker.start()
 
@@ -266,6 +302,38 @@ class DiskTier(Tier):
         os.chmod(path, mode)
         if self.config.group is not None:
             os.chown(path, -1, self.config.group)
+
+    def _choose_codec(self) -> str:
+        """``auto``: this disk's read bandwidth (a 32 MiB file written and read back the way
+        chunks are) and this machine's decode rates decide, within ``max_kl``."""
+        size = 32 << 20
+        probe = os.path.join(self._tmp, f".bandwidth.{os.getpid()}")
+        buf = self._pool.take(size)
+        try:
+            view = memoryview(buf)
+            fd = self._open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            try:
+                _full_pwritev(fd, [view], 0)
+                os.fsync(fd)
+                t0 = time.perf_counter()
+                _full_preadv(fd, view, 0)
+                read_Bps = size / max(time.perf_counter() - t0, 1e-6)
+            finally:
+                os.close(fd)
+                view.release()
+        except OSError as exc:
+            log.warning("disk: codec auto could not measure %s (%s); storing chunks raw", self.root, exc)
+            return "none"
+        finally:
+            self._pool.give(buf)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        measured = measure()
+        figures = figures_from({c: r for c, (r, _) in measured.items()}, {c: b for c, (_, b) in measured.items()})
+        codec = choose_codec(figures, read_Bps, self.config.max_kl)
+        log.info("disk: codec auto chose %s (reads %.2f GB/s; decode GB/s %s; max_kl %g)", codec,
+                 read_Bps / 1e9, {c: round(b / 1e9, 2) for c, (_, b) in measured.items()}, self.config.max_kl)
+        return codec
 
     # -- paths and opening --------------------------------------------------------------------
     def _path(self, key: ChunkKey) -> str:
@@ -374,8 +442,10 @@ class DiskTier(Tier):
         with self._lock:
             return self._used
 
-    def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
-        return header_len_for(-(-nbytes // (segment_bytes or nbytes))) + round_up(nbytes)
+    def footprint(self, nbytes: int, segment_bytes: int | None = None, coded: bool = False) -> int:
+        """Bytes charged for an entry stored as given (a raw entry that this tier's codec then
+        compresses is charged what it takes once framed)."""
+        return header_len_for(-(-nbytes // (segment_bytes or nbytes)), coded) + round_up(nbytes)
 
     def position_of(self, key: ChunkKey) -> int | None:
         """The position recorded with a chunk (its index in its sequence), if any."""
@@ -384,7 +454,8 @@ class DiskTier(Tier):
             return entry.position if entry else None
 
     # -- writes -------------------------------------------------------------------------------
-    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[int, int]:
+    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None,
+              coded: bool = False) -> tuple[int, int]:
         """Check the request and charge its space; returns (segment bytes, bytes charged)."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -392,7 +463,7 @@ class DiskTier(Tier):
         seg = nbytes if segment_bytes is None else segment_bytes
         if not isinstance(seg, int) or seg <= 0:
             raise ValueError(f"disk: segment_bytes must be a positive int, got {segment_bytes!r}")
-        charge = self.footprint(nbytes, seg)
+        charge = self.footprint(nbytes, seg, coded)
         if charge > self.capacity:
             raise ValueError(
                 f"disk: entry of {nbytes} bytes ({charge} on disk) is larger than the tier's "
@@ -418,11 +489,16 @@ class DiskTier(Tier):
 
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None, *,
                 position: int | None = None) -> Reservation:
-        seg, charge = self._take(key, nbytes, segment_bytes)
+        """Like :meth:`Tier.reserve`; the entry is stored raw (only :meth:`put` compresses)."""
+        return self._reserve(key, nbytes, segment_bytes, position, None)
+
+    def _reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None, position: int | None,
+                 coding: Coding | None) -> Reservation:
+        seg, charge = self._take(key, nbytes, segment_bytes, coding is not None)
         hlen = charge - round_up(nbytes)
         staging = self._pool.take(charge)
         payload = torch.frombuffer(staging, dtype=torch.uint8)[hlen : hlen + nbytes]
-        return Reservation(key, nbytes, seg, payload, staging, position)
+        return Reservation(key, nbytes, seg, payload, (staging, coding), position)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         key = reservation.key
@@ -430,7 +506,7 @@ class DiskTier(Tier):
             charge = self._reserved.get(key)
         if charge is None:
             raise ValueError(f"disk: no open reservation for chunk {key.hex()}")
-        staging: mmap.mmap = reservation.slot  # type: ignore[assignment]
+        staging, coding = reservation.slot  # type: ignore[misc]
         entry = None
         try:
             if ok:
@@ -440,7 +516,7 @@ class DiskTier(Tier):
                     entry = self._write_file(
                         key, view[hlen : hlen + reservation.nbytes], reservation.segment_bytes,
                         header=view[:hlen], tail=view[hlen + reservation.nbytes : charge],
-                        position=reservation.position,
+                        position=reservation.position, coding=coding,
                     )
                 finally:
                     view.release()
@@ -451,17 +527,24 @@ class DiskTier(Tier):
         return stored
 
     def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
-            position: int | None = None) -> bool:
+            position: int | None = None, fmt: KVFormat | None = None) -> bool:
         """Like :meth:`Tier.put`; page-aligned CPU data (a host-tier slot, say) is written
         straight from where it lies, without a copy through a staging buffer. ``position``: the
-        chunk's index in its sequence, recorded in the header for the policies after a restart."""
+        chunk's index in its sequence, recorded in the header for the policies after a restart.
+        ``fmt``: what the bytes are, when they are KV; with a codec configured such an entry is
+        stored compressed (see :mod:`kvtier.tiers.coded`), anything else raw."""
         src = as_byte_tensor(data)
+        coding = None
+        coded = encode_entry(self.codec, src, segment_bytes, fmt)
+        if coded is not None:
+            src, coding = coded
+            segment_bytes = coding.frame
         nbytes = src.numel()
         aligned = src.device.type == "cpu" and (
             not self._direct or (src.data_ptr() % PAGE == 0 and nbytes % PAGE == 0)
         )
-        if not aligned or nbytes == 0:
-            res = self.reserve(key, nbytes, segment_bytes, position=position)
+        if not aligned or nbytes == 0 or coding is not None:
+            res = self._reserve(key, nbytes, segment_bytes, position, coding)
             try:
                 res.buffer.copy_(src)
             except BaseException:
@@ -493,6 +576,7 @@ class DiskTier(Tier):
         header: memoryview,
         tail: memoryview | None,
         position: int | None = None,
+        coding: Coding | None = None,
     ) -> _Entry | None:
         """Checksum ``payload`` and write header, payload and padding (``tail``, zeroed) to a
         temporary file, then rename it into place. None (logged, counted) on an I/O error.
@@ -502,7 +586,7 @@ class DiskTier(Tier):
         with self._lock:
             self._seq += 1
             seq = self._seq
-        raw = _encode_header(key, nbytes, seg, checksums, seq, position)
+        raw = _encode_header(key, nbytes, seg, checksums, seq, position, coding)
         header[:] = raw
         bufs = [header, payload]
         if tail is not None and len(tail):
@@ -541,7 +625,7 @@ class DiskTier(Tier):
         self.stats.writes += 1
         self.stats.bytes_written += nbytes
         pos = None if position is None or not 0 <= position < _NO_POSITION else position
-        return _Entry(nbytes, seg, len(header), tuple(checksums), pos)
+        return _Entry(nbytes, seg, len(header), tuple(checksums), pos, coding)
 
     # -- reads --------------------------------------------------------------------------------
     def get(
@@ -556,6 +640,29 @@ class DiskTier(Tier):
         if entry is None:
             self.stats.misses += 1
             return None
+        coding = entry.coding
+        if coding is None:
+            return self._get_stored(key, entry, out, offset, length)
+        length = coding.raw_nbytes - offset if length is None else length
+        f0, f1 = coding.frames_for(offset, length)
+        if out is not None and (out.numel() != length or out.dtype != torch.uint8):
+            raise ValueError(f"disk: out must be a uint8 tensor of {length} bytes")
+        frames = self._get_stored(key, entry, None, f0 * coding.frame, (f1 - f0) * coding.frame, count=False)
+        if frames is None:
+            return None
+        try:
+            got = decode_range(coding, frames, f0, offset, length, out)
+        except CodecError as exc:
+            return self._damaged(key, f"undecodable frame: {exc}")
+        self.stats.hits += 1
+        self.stats.bytes_read += length
+        return got
+
+    def _get_stored(self, key: ChunkKey, entry: _Entry, out: torch.Tensor | None, offset: int,
+                    length: int | None, count: bool = True) -> torch.Tensor | None:
+        """Stored bytes ``[offset, offset + length)`` of ``entry``, every segment they touch
+        verified; None (counted, a damaged file dropped) on a miss. ``count``: count a hit
+        here (a coded read counts its own, in raw bytes)."""
         length = entry.nbytes - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > entry.nbytes:
             raise ValueError(f"disk: range [{offset}, {offset + length}) outside entry of {entry.nbytes} bytes")
@@ -608,8 +715,9 @@ class DiskTier(Tier):
                 else:
                     out.copy_(src)
                 del src
-            self.stats.hits += 1
-            self.stats.bytes_read += length
+            if count:
+                self.stats.hits += 1
+                self.stats.bytes_read += length
             return out
         finally:
             if staging is not None:
@@ -641,14 +749,25 @@ class DiskTier(Tier):
             return key in self._entries
 
     def entry_bytes(self, key: ChunkKey) -> int | None:
+        """Raw size of a committed entry (what a read returns), whatever it takes stored."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry.nbytes if entry else None
+            if entry is None:
+                return None
+            return entry.coding.raw_nbytes if entry.coding else entry.nbytes
 
     def segment_bytes_of(self, key: ChunkKey) -> int | None:
         with self._lock:
             entry = self._entries.get(key)
-            return entry.segment_bytes if entry else None
+            if entry is None:
+                return None
+            return entry.coding.raw_seg if entry.coding else entry.segment_bytes
+
+    def codec_of(self, key: ChunkKey) -> str | None:
+        """The codec a committed entry is stored with (``"none"``: raw), None if absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else (entry.coding.codec if entry.coding else "none")
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:

@@ -42,6 +42,7 @@ from kvtier.tiers.base import (
     check_key,
     round_up,
 )
+from kvtier.tiers.codecs import KVFormat
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ class _Slot:
     nbytes: int
     stride: int
     segment: int
+    fmt: KVFormat | None = None
+    """What the bytes are when they are KV (a lower tier with a codec compresses them)."""
 
 
 @dataclass(slots=True)
@@ -415,9 +418,10 @@ class HostTier(Tier):
             self._give_extents(ext, 1)
 
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None,
-                slot_bytes: int | None = None) -> Reservation:
+                slot_bytes: int | None = None, fmt: KVFormat | None = None) -> Reservation:
         """Take a slot for ``key``. ``slot_bytes``: the slot size to take (a part of a typed
-        object, smaller than a chunk, still takes a chunk's slot); default: ``nbytes``."""
+        object, smaller than a chunk, still takes a chunk's slot); default: ``nbytes``.
+        ``fmt``: what the bytes are when they are KV, kept for :meth:`format_of`."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"host: entry size must be a positive int, got {nbytes!r}")
@@ -426,7 +430,7 @@ class HostTier(Tier):
             if key in self._entries or key in self._reserved:
                 raise EntryExistsError(f"host: chunk {key.hex()} is already stored or being written")
             offset = self._take_slot(stride)
-            slot = _Slot(offset, nbytes, stride, segment_bytes or nbytes)
+            slot = _Slot(offset, nbytes, stride, segment_bytes or nbytes, fmt)
             self._reserved[key] = slot
         return Reservation(key, nbytes, segment_bytes or nbytes, self._slot_view(offset, nbytes), offset)
 
@@ -505,6 +509,12 @@ class HostTier(Tier):
         with self._lock:
             slot = self._entries.get(key)
             return slot.segment if slot else None
+
+    def format_of(self, key: ChunkKey) -> KVFormat | None:
+        """The KV format the entry was reserved with (None: not KV, or not said)."""
+        with self._lock:
+            slot = self._entries.get(key)
+            return slot.fmt if slot else None
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:
