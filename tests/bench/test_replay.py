@@ -140,3 +140,36 @@ def test_load_trace_reads_a_file(tmp_path):
     trace = load_trace(path)
     assert [r.arrival_s for r in trace.requests] == [0.0, 0.005]  # served in arrival order
     assert trace.unique_blocks == 2
+
+
+def test_a_compressed_ssd_holds_more_blocks_and_reads_fewer_bytes():
+    trace = parse_trace([line(0, [1, 2, 3]), line(1, [9, 8, 7]), line(2, [4, 5, 6]), line(3, [1, 2, 3])])
+    raw = replay(trace, ReplayConfig(dram_blocks=3, ssd_blocks=3))
+    assert raw.hit_ratio_ssd == 0  # 1, 2, 3 were pushed off the SSD by 9, 8, 7
+    coded = replay(trace, ReplayConfig(dram_blocks=3, ssd_blocks=3, ssd_codec="int8",
+                                       ssd_codec_ratio=0.5, ssd_decode_GBps=10.0))
+    assert coded.ssd_blocks_held == 6 and coded.ssd_codec == "int8"
+    assert coded.hit_ratio_ssd == pytest.approx(3 / 12)
+    chunk = ReplayConfig().layout.chunk_bytes
+    assert coded.ssd_bytes_read == 3 * chunk // 2  # stored bytes
+    assert coded.prefill_saved > raw.prefill_saved
+    with pytest.raises(ValueError, match="ssd_codec_ratio"):
+        ReplayConfig(ssd_codec="int8")  # a codec needs its ratio
+    with pytest.raises(ValueError, match="ssd_codec_ratio"):
+        ReplayConfig(ssd_codec_ratio=0.5)
+
+
+def test_cli_takes_the_codec_ratio_kvtier_measures_for_the_layout(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(sessions_trace(200))
+    runner = CliRunner()
+    rows = {}
+    for codec in ("none", "int8", "int4"):
+        res = runner.invoke(main, ["replay", str(path), "--dram-blocks", "20", "--ssd-blocks", "100",
+                                   "--ssd-codec", codec, "--decode-gbps", "8", "--json"])
+        assert res.exit_code == 0, res.output
+        rows[codec] = json.loads(res.output)[0]
+    assert rows["none"]["ssd_blocks_held"] == 100
+    assert 190 <= rows["int8"]["ssd_blocks_held"] <= 200  # bf16 -> int8 and its scales
+    assert 350 <= rows["int4"]["ssd_blocks_held"] <= 400
+    assert rows["int8"]["hit_ratio_blocks"] >= rows["none"]["hit_ratio_blocks"]
