@@ -101,7 +101,8 @@ def decode_range(coding: Coding, frames: torch.Tensor, f0: int, offset: int, len
     seg, fsize = coding.raw_seg, coding.frame
     count = frames.numel() // fsize
     lo = f0 * seg
-    whole = (offset, length) == (lo, count * seg) and (out is None or out.device.type == "cpu")
+    whole = (offset, length) == (lo, count * seg) and (
+        out is None or (out.device.type == "cpu" and out.is_contiguous()))
     target = (out if out is not None else torch.empty(length, dtype=torch.uint8)) if whole else \
         torch.empty(count * seg, dtype=torch.uint8)
     for i in range(count):

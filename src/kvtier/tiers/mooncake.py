@@ -25,10 +25,12 @@ RPC and transfer timeouts are 30 s). An abandoned call may still touch its buffe
 ended) and copies out after verification. ``get_many_into`` (how the store promotes chunks; also
 ``get_into``, a batch of one) reads the payloads of a batch straight into the callers' buffers
 in one batched transfer and verifies them there, saving that copy; an abandoned one hands its
-future to the caller, who keeps the buffers until it is done. ``put_many`` (and ``put``, a batch
-of one) opens the put sessions of a batch with one RPC, sends the objects in growing groups
-while the caller's thread checksums the next group (:class:`~kvtier.tiers.mooncake_calls.Relay`), and ends them with one
-RPC. Large writes send from the caller's tensor (a late read of it is harmless: a changed byte
+future to the caller, who keeps the buffers until it is done. Chunks stored through a codec
+(``put_many`` with ``fmts`` on a tier with a ``codec``: the codec's frames, a smaller object)
+are read whole into staging instead, a batch at a time, and decoded into the callers' buffers.
+``put_many`` (and ``put``, a batch of one) opens the put sessions of a batch with one RPC,
+sends the objects in growing groups while the caller's thread checksums the next group
+(:class:`~kvtier.tiers.mooncake_calls.Relay`), and ends them with one RPC. Large writes send from the caller's tensor (a late read of it is harmless: a changed byte
 fails its checksum). An abandoned write may still complete: the chunk is then in the pool but
 not in this process's list.
 """
@@ -54,6 +56,8 @@ from kvtier.tiers.base import (
     TierUnavailableError,
     check_key,
 )
+from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.coded import Coding
 from kvtier.tiers.mooncake_calls import (
     HEAD_PEEK,
     NO_AVAILABLE_HANDLE,
@@ -63,6 +67,7 @@ from kvtier.tiers.mooncake_calls import (
     ZERO_COPY_MIN,
     Relay,
     download,
+    download_whole,
     start_sessions,
     upload,
 )
@@ -79,6 +84,21 @@ from kvtier.tiers.remote_config import MooncakeTierConfig
 __all__ = ["MooncakeTier", "MooncakeTierConfig"]
 
 log = logging.getLogger(__name__)
+
+STAGED_BATCH_BYTES = 64 << 20
+"""Objects read whole into staging (chunks stored through a codec) go this many bytes a call
+at most."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Listed:
+    """A chunk this process committed: its raw size, its object's size (its charge), and
+    whether it is stored through a codec."""
+
+    nbytes: int
+    charge: int
+    coded: bool = False
+
 
 @dataclass(slots=True)
 class _Open:
@@ -97,7 +117,7 @@ class MooncakeTier(RemoteTier):
         self.config = config
         self._conn = MooncakeConnection(config, self.stats)
         self.health = self._conn.health
-        self._entries: OrderedDict[ChunkKey, tuple[int, int]] = OrderedDict()  # key -> (nbytes, charge)
+        self._entries: OrderedDict[ChunkKey, _Listed] = OrderedDict()
         self._reserved: dict[ChunkKey, int] = {}
         self._used = 0
 
@@ -124,13 +144,14 @@ class MooncakeTier(RemoteTier):
             self._reserved[key] = charge
             self._used += charge
 
-    def _settle(self, key: ChunkKey, nbytes: int | None) -> bool:
+    def _settle(self, key: ChunkKey, nbytes: int | None, coded: bool = False) -> bool:
+        """End a write: listed with raw size ``nbytes``, or (None) its charge returned."""
         with self._lock:
             charge = self._reserved.pop(key)
             if nbytes is None:
                 self._used -= charge
             else:
-                self._entries[key] = (nbytes, charge)
+                self._entries[key] = _Listed(nbytes, charge, coded)
         return nbytes is not None
 
     def _refusal(self, key: ChunkKey, rc: int, what: str) -> TierFullError | EntryExistsError:
@@ -200,14 +221,18 @@ class MooncakeTier(RemoteTier):
         return self._wrote(res.key, header.nbytes)
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
-                 segment_bytes: int | None = None) -> list[PutOutcome]:
+                 segment_bytes: int | None = None, *,
+                 fmts: Sequence[KVFormat | None] | None = None) -> list[PutOutcome]:
         """Like :meth:`Tier.put_many`, in one call into Mooncake: one put session start and one
         end for all, the objects sent from where they lie in growing groups while this thread
-        checksums the next group (:class:`~kvtier.tiers.mooncake_calls.Relay`)."""
+        checksums the next group (:class:`~kvtier.tiers.mooncake_calls.Relay`). With a codec,
+        KV entries (``fmts``) are encoded first, on this thread, and their frames sent."""
         srcs = self._batch_data(keys, datas)
-        if any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
-            return super().put_many(keys, srcs, segment_bytes)
-        checked = [self._check_request(k, src.numel(), segment_bytes) for k, src in zip(keys, srcs, strict=True)]
+        payloads = self._payloads(keys, srcs, segment_bytes, fmts)
+        if payloads is None:
+            return super().put_many(keys, srcs, segment_bytes, fmts=fmts)
+        checked = [self._check_request(k, p.data.numel(), p.segment_bytes, p.coding is not None)
+                   for k, p in zip(keys, payloads, strict=True)]
         results: list[PutOutcome] = [False] * len(keys)
         todo: list[int] = []
         for i, (key, _, charge) in enumerate(checked):
@@ -219,7 +244,7 @@ class MooncakeTier(RemoteTier):
         if not todo:
             return results
         names, sizes = [self._name(checked[i][0]) for i in todo], [checked[i][2] for i in todo]
-        batch = [srcs[i] for i in todo]
+        batch = [payloads[i].data for i in todo]
         spans, at = [], 0
         for src, size in zip(batch, sizes, strict=True):
             hlen = size - src.numel()
@@ -233,7 +258,7 @@ class MooncakeTier(RemoteTier):
             payload = memoryview(batch[j].numpy()).cast("B")
             (pos, hlen), n = spans[j], len(payload)
             view = memoryview(buf.numpy())  # memoryview copies: no torch kernel for a memcpy
-            view[pos : pos + hlen] = ObjectHeader.for_payload(key, payload, seg).encode()
+            view[pos : pos + hlen] = ObjectHeader.for_payload(key, payload, seg, payloads[todo[j]].coding).encode()
             if n < ZERO_COPY_MIN:
                 view[pos + hlen : pos + hlen + n] = payload
 
@@ -269,15 +294,16 @@ class MooncakeTier(RemoteTier):
                 log.warning("mooncake: put of chunk %s failed: %s", key.hex(), code_name(rc))
                 results[i] = self._settle(key, None)
             else:
-                results[i] = self._wrote(key, srcs[i].numel())
+                results[i] = self._wrote(key, payloads[i].data.numel(), payloads[i].coding)
         if failure:  # the objects checksummed before it were stored
             raise failure[0]
         return results
 
-    def _wrote(self, key: ChunkKey, nbytes: int) -> bool:
+    def _wrote(self, key: ChunkKey, nbytes: int, coding: Coding | None = None) -> bool:
+        """A write of ``nbytes`` of payload (a codec's frames, with ``coding``) went through."""
         self.stats.writes += 1
         self.stats.bytes_written += nbytes
-        return self._settle(key, nbytes)
+        return self._settle(key, nbytes if coding is None else coding.raw_nbytes, coding is not None)
 
     def _revoke(self, name: str) -> None:
         try:
@@ -298,9 +324,9 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             known = self._entries.get(key)
         if known is not None:  # a read that cannot succeed need not be tried
-            self._check_range(known[0], offset, length, out)
+            self._check_range(known.nbytes, offset, length, out)
         try:
-            size = known[1] if known else self._conn.call("get", lambda s: s.get_size(name))
+            size = known.charge if known else self._conn.call("get", lambda s: s.get_size(name))
             if size < 0:
                 return self._missing(key, size)
             staging = self._conn.staging_for("get", size)
@@ -311,19 +337,23 @@ class MooncakeTier(RemoteTier):
         try:
             if got < 0:
                 return self._missing(key, got)
-            view = memoryview(staging.numpy())[:got]
-            try:
-                header = ObjectHeader.decode(view, key)
-            except CorruptObject as exc:
-                return self._damaged(key, str(exc))
-            if got != header.object_bytes:
-                return self._damaged(key, f"object of {got} bytes, header says {header.object_bytes}")
-            length = self._check_range(header.nbytes, offset, length, out)
-            _, _, lo, hi = header.covering(offset, length)
-            part = view[header.length + lo : header.length + hi]
-            return self._deliver(key, header, part, lo, offset, length, out)
+            return self._accept(key, memoryview(staging.numpy())[:got], offset, length, out)
         finally:
             self._conn.staging.give(staging)
+
+    def _accept(self, key: ChunkKey, obj: memoryview, offset: int, length: int | None,
+                out: torch.Tensor | None) -> torch.Tensor | None:
+        """Verify an object read whole (``obj``) and deliver raw bytes ``[offset,
+        offset+length)`` of its chunk (decoded, if coded), as :meth:`get` returns them."""
+        try:
+            header = ObjectHeader.decode(obj, key)
+        except CorruptObject as exc:
+            return self._damaged(key, str(exc))
+        if len(obj) != header.object_bytes:
+            return self._damaged(key, f"object of {len(obj)} bytes, header says {header.object_bytes}")
+        length = self._check_range(header.raw_nbytes, offset, length, out)
+        lo, hi = header.span(offset, length)
+        return self._deliver(key, header, obj[header.length + lo : header.length + hi], lo, offset, length, out)
 
     def get_into(self, key: ChunkKey, out: torch.Tensor, late: Callable[[Future], None]) -> bool:
         """Like :meth:`Tier.get_into`: :meth:`get_many_into` of one entry."""
@@ -335,23 +365,26 @@ class MooncakeTier(RemoteTier):
         straight in its ``out`` (registered with Mooncake by the call itself, for its duration)
         and is verified where it lies; the headers go to a staging buffer. A call given up on a
         timeout hands its future to ``late``. An entry whose ``out`` cannot take such a read
-        (not a contiguous CPU uint8 tensor, sharing a page with registered memory) or whose
-        object does not have the expected shape is read by :meth:`get` (staging and a copy)."""
+        (not a contiguous CPU uint8 tensor, sharing a page with registered memory), whose object
+        does not have the expected shape, or that is stored through a codec, is read whole into
+        staging instead (:meth:`_get_staged`: batched, then verified, decoded and copied)."""
         self._paired(keys, outs, "outputs")
         keys = [check_key(k) for k in keys]
+        with self._lock:
+            known = [self._entries.get(k) for k in keys]
+        for k, out in zip(known, outs, strict=True):
+            if k is not None:  # a read that cannot succeed need not be tried
+                self._check_range(k.nbytes, 0, None, out)
         direct = [i for i, out in enumerate(outs)
                   if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.uint8
-                  and out.is_contiguous() and out.numel() > 0]
-        with self._lock:
-            known = [self._entries.get(keys[i]) for i in direct]
-        for i, k in zip(direct, known, strict=True):
-            if k is not None:  # a read that cannot succeed need not be tried
-                self._check_range(k[0], 0, None, outs[i])
+                  and out.is_contiguous() and out.numel() > 0 and not (known[i] and known[i].coded)]
         results = [False] * len(keys)
-        fallback = sorted(set(range(len(keys))) - set(direct))
+        staged: dict[int, int | None] = {i: None if k is None else k.charge for i, k in enumerate(known)}
+        for i in direct:
+            del staged[i]
         if direct:
             names = [self._name(keys[i]) for i in direct]
-            sizes = [None if k is None else k[1] for k in known]
+            sizes = [None if known[i] is None else known[i].charge for i in direct]  # type: ignore[union-attr]
             targets = [outs[i] for i in direct]
             try:
                 head = self._conn.staging_for("get", HEAD_PEEK * len(direct))
@@ -366,18 +399,21 @@ class MooncakeTier(RemoteTier):
                     for j, (i, (size, rc)) in enumerate(zip(direct, got, strict=True)):
                         ok = self._verify(keys[i], view[j * HEAD_PEEK : (j + 1) * HEAD_PEEK], size, rc, outs[i])
                         if ok is None:
-                            fallback.append(i)
+                            staged[i] = size
                         else:
                             results[i] = ok
                 finally:
                     self._conn.staging.give(head)
-        for i in sorted(fallback):
-            results[i] = self.get(keys[i], out=outs[i]) is not None
+        if staged:
+            idx = sorted(staged)
+            got_staged = self._get_staged([keys[i] for i in idx], [outs[i] for i in idx], [staged[i] for i in idx])
+            for i, ok in zip(idx, got_staged, strict=True):
+                results[i] = ok
         return results
 
     def _verify(self, key: ChunkKey, head: memoryview, size: int, got: int | None, out: torch.Tensor) -> bool | None:
         """Check one read of :meth:`get_many_into`: its header (in ``head``) and the payload in
-        ``out``. None: it could not be read that way (let :meth:`get` say what is wrong)."""
+        ``out``. None: it could not be read that way (a staged read says what is wrong)."""
         n = out.numel()
         if size < 0:
             return self._missing(key, size) is not None
@@ -392,6 +428,8 @@ class MooncakeTier(RemoteTier):
             header = ObjectHeader.decode(head[:hlen], key)
         except CorruptObject as exc:
             return self._damaged(key, str(exc)) is not None
+        if header.coding is not None:  # frames as large as the raw chunk: to be decoded
+            return None
         if got != size or header.nbytes != n:
             return self._damaged(key, f"read {got} of {size} bytes, header says {header.object_bytes}") is not None
         bad = header.bad_segment(memoryview(out.numpy()), 0)
@@ -401,12 +439,67 @@ class MooncakeTier(RemoteTier):
         self.stats.bytes_read += n
         return True
 
+    def _get_staged(self, keys: list[ChunkKey], outs: list[torch.Tensor], sizes: list[int | None]) -> list[bool]:
+        """Objects of ``sizes`` (None: not known, asked first, in one call) read whole into
+        staging buffers, :data:`STAGED_BATCH_BYTES` a call at most, each then delivered into its
+        ``out`` as :meth:`get` delivers it. A call given up on writes only into its staging
+        buffer (back in the pool once it has ended): no ``out`` is written after this returns."""
+        names = [self._name(k) for k in keys]
+        unknown = [j for j, size in enumerate(sizes) if size is None]
+        if unknown:
+            try:
+                asked = self._conn.call("get", lambda s: [s.get_size(names[j]) for j in unknown])
+            except Unavailable:
+                self.stats.misses += len(unknown)
+                asked = [None] * len(unknown)
+            sizes = list(sizes)
+            for j, size in zip(unknown, asked, strict=True):
+                sizes[j] = size
+        results = [False] * len(keys)
+        group: list[int] = []
+        total = 0
+        for j, size in enumerate(sizes):
+            if size is None:  # the server was unavailable: counted
+                continue
+            if size < 0:
+                self._missing(keys[j], size)
+                continue
+            if group and total + size > STAGED_BATCH_BYTES:
+                self._read_staged(keys, outs, names, sizes, group, results)  # type: ignore[arg-type]
+                group, total = [], 0
+            group.append(j)
+            total += size
+        if group:
+            self._read_staged(keys, outs, names, sizes, group, results)  # type: ignore[arg-type]
+        return results
+
+    def _read_staged(self, keys: list[ChunkKey], outs: list[torch.Tensor], names: list[str], sizes: list[int],
+                     group: list[int], results: list[bool]) -> None:
+        """One batched read of :meth:`_get_staged`: entries ``group``, results into ``results``."""
+        part_names, part_sizes = [names[j] for j in group], [sizes[j] for j in group]
+        try:
+            buf = self._conn.staging_for("get", sum(part_sizes))
+            got = self._conn.call("get", lambda s: download_whole(s, buf, part_names, part_sizes), staging=buf)
+        except Unavailable:
+            self.stats.misses += len(group)
+            return
+        try:
+            view, at = memoryview(buf.numpy()), 0
+            for j, size, rc in zip(group, part_sizes, got, strict=True):
+                if rc < 0:
+                    self._missing(keys[j], rc)
+                else:
+                    results[j] = self._accept(keys[j], view[at : at + rc], 0, None, outs[j]) is not None
+                at += size
+        finally:
+            self._conn.staging.give(buf)
+
     def _missing(self, key: ChunkKey, rc: int) -> None:
         if rc in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             with self._lock:
                 lost = self._entries.pop(key, None)
                 if lost is not None:
-                    self._used -= lost[1]
+                    self._used -= lost.charge
             if lost is None:
                 self.stats.misses += 1
                 return None
@@ -435,7 +528,7 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             known = self._entries.get(key)
         if known is not None:
-            return known[0] if self.contains(key) else None
+            return known.nbytes if self.contains(key) else None
         name = self._name(check_key(key))
         try:
             size = self._conn.call("entry_bytes", lambda s: s.get_size(name))
@@ -445,7 +538,7 @@ class MooncakeTier(RemoteTier):
             hlen = peek_header_len(raw)
             if hlen > len(raw):
                 raw = self._read_head(name, min(hlen, size))
-            return ObjectHeader.decode(raw, key).nbytes
+            return ObjectHeader.decode(raw, key).raw_nbytes
         except (Unavailable, CorruptObject):
             return None
 
@@ -484,7 +577,7 @@ class MooncakeTier(RemoteTier):
     def _unlist(self, key: ChunkKey) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self._used -= entry[1]
+            self._used -= entry.charge
 
     def _drop_damaged(self, key: ChunkKey) -> None:
         with self._lock:

@@ -179,3 +179,15 @@ def download(store: MooncakeDistributedStore, head: torch.Tensor, names: list[st
     for j, rc in zip(batch, got, strict=True):
         result[j] = (result[j][0], rc)
     return result
+
+
+def download_whole(store: MooncakeDistributedStore, buf: torch.Tensor, names: list[str],
+                   sizes: list[int]) -> list[int]:
+    """Read objects of ``sizes`` whole into ``buf`` (a registered staging buffer), one after the
+    other, in one batched transfer. Per object: bytes read or Mooncake's code. Holds ``buf``
+    (its argument) until it ends."""
+    ptrs, at = [], buf.data_ptr()
+    for size in sizes:
+        ptrs.append(at)
+        at += size
+    return store.batch_get_into(names, ptrs, sizes)

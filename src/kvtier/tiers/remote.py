@@ -9,14 +9,22 @@ Object format (all integers little-endian)::
         u64 XXH3-64 of all the header bytes before it
     payload (payload_len bytes)
 
+Version 2 (written for chunks stored through a codec, :mod:`kvtier.tiers.coded`) keeps the
+codec's id in ``flags`` and adds raw_nbytes u64 and raw_segment_bytes u64 after n_segments; its
+payload is the codec's frames, one segment each, and the checksums are over those stored bytes.
+Raw chunks are written as version 1, byte for byte as before. Callers see raw bytes only:
+offsets, lengths and ``entry_bytes`` are in raw bytes, a layer read decodes one frame, and a
+tier decodes whatever codec a header names, whatever its own is.
+
 The key is inside the header so that bytes of another chunk (an object rewritten or moved under
 a reader) fail verification instead of passing as this chunk.
 
 Guarantees every remote tier gives on top of :mod:`kvtier.tiers.base`:
 
 - Every read verifies the header and the checksum of every segment it returns. A short, garbled
-  or mismatching object is a miss, counted in ``stats.misses``, ``stats.errors`` and
-  ``stats.corrupt``, logged, and deleted best-effort; wrong bytes are never returned.
+  or mismatching object, or a frame that does not decode, is a miss, counted in
+  ``stats.misses``, ``stats.errors`` and ``stats.corrupt``, logged, and deleted best-effort;
+  wrong bytes are never returned.
 - No call waits longer than about ``timeout_s`` for the server. A server that is down, killed,
   stalled or refusing the credentials makes reads misses, ``commit`` return False, ``reserve``
   raise :class:`TierFullError` and deletes return False; each failure is counted in
@@ -41,12 +49,19 @@ import xxhash
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import Tier, TierStats, as_byte_tensor, check_key
+from kvtier.tiers.codecs import CodecError, KVFormat
+from kvtier.tiers.coded import Coding, decode_range, encode_entry
+from kvtier.tiers.remote_config import MooncakeTierConfig, ValkeyTierConfig
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
 VERSION = 1
+"""Raw chunks."""
+VERSION_CODED = 2
+"""Chunks stored through a codec."""
 _FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQI")
+_CODED = struct.Struct("<QQ")  # raw_nbytes, raw_segment_bytes: version 2 only
 FIXED_BYTES = _FIXED.size
 """Bytes to read from the start of an object to learn its header length."""
 
@@ -55,8 +70,8 @@ class CorruptObject(KVTierError, ValueError):
     """An object's bytes fail the header or checksum checks."""
 
 
-def header_len(n_segments: int) -> int:
-    return FIXED_BYTES + 8 * n_segments + 8
+def header_len(n_segments: int, coded: bool = False) -> int:
+    return FIXED_BYTES + (_CODED.size if coded else 0) + 8 * n_segments + 8
 
 
 def segment_count(nbytes: int, segment_bytes: int) -> int:
@@ -65,30 +80,45 @@ def segment_count(nbytes: int, segment_bytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ObjectHeader:
+    """An object's header. ``nbytes`` and ``segment_bytes`` are those of the stored payload (the
+    frames, for a chunk stored through a codec: ``coding`` then has the raw sizes)."""
+
     key: ChunkKey
     nbytes: int
     segment_bytes: int
     checksums: tuple[int, ...]
+    coding: Coding | None = None
 
     @property
     def length(self) -> int:
-        return header_len(len(self.checksums))
+        return header_len(len(self.checksums), self.coding is not None)
 
     @property
     def object_bytes(self) -> int:
         return self.length + self.nbytes
 
+    @property
+    def raw_nbytes(self) -> int:
+        """What a read of the whole chunk returns."""
+        return self.nbytes if self.coding is None else self.coding.raw_nbytes
+
     @classmethod
-    def for_payload(cls, key: ChunkKey, payload: memoryview, segment_bytes: int) -> ObjectHeader:
+    def for_payload(cls, key: ChunkKey, payload: memoryview, segment_bytes: int,
+                    coding: Coding | None = None) -> ObjectHeader:
         n = len(payload)
         sums = tuple(
             xxhash.xxh3_64_intdigest(payload[i : i + segment_bytes]) for i in range(0, n, segment_bytes)
         )
-        return cls(key, n, segment_bytes, sums)
+        return cls(key, n, segment_bytes, sums, coding)
 
     def encode(self) -> bytes:
-        n = len(self.checksums)
-        body = _FIXED.pack(MAGIC, VERSION, 0, header_len(n), self.key, self.nbytes, self.segment_bytes, n)
+        n, c = len(self.checksums), self.coding
+        fixed = (self.key, self.nbytes, self.segment_bytes, n)
+        if c is None:
+            body = _FIXED.pack(MAGIC, VERSION, 0, header_len(n), *fixed)
+        else:
+            body = _FIXED.pack(MAGIC, VERSION_CODED, c.codec_id, header_len(n, True), *fixed)
+            body += _CODED.pack(c.raw_nbytes, c.raw_seg)
         body += struct.pack(f"<{n}Q", *self.checksums)
         return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
@@ -99,7 +129,7 @@ class ObjectHeader:
         hlen = peek_header_len(raw)
         if len(raw) < hlen:
             raise CorruptObject(f"header truncated ({len(raw)} of {hlen} bytes)")
-        _m, _v, _f, _h, hkey, nbytes, seg, nseg = _FIXED.unpack_from(raw)
+        _m, version, flags, _h, hkey, nbytes, seg, nseg = _FIXED.unpack_from(raw)
         end = hlen - 8
         (stored,) = struct.unpack_from("<Q", raw, end)
         if xxhash.xxh3_64_intdigest(raw[:end]) != stored:
@@ -108,7 +138,24 @@ class ObjectHeader:
             raise CorruptObject("segment table mismatch")
         if key is not None and hkey != key:
             raise CorruptObject(f"object holds chunk {hkey.hex()}")
-        return cls(ChunkKey(bytes(hkey)), nbytes, seg, struct.unpack_from(f"<{nseg}Q", raw, FIXED_BYTES))
+        coding, sums_at = None, FIXED_BYTES
+        if version == VERSION_CODED:
+            raw_nbytes, raw_seg = _CODED.unpack_from(raw, FIXED_BYTES)
+            try:
+                coding = Coding.parse(flags, raw_nbytes, raw_seg, nbytes, seg)
+            except ValueError as exc:
+                raise CorruptObject(str(exc)) from None
+            sums_at += _CODED.size
+        sums = struct.unpack_from(f"<{nseg}Q", raw, sums_at)
+        return cls(ChunkKey(bytes(hkey)), nbytes, seg, sums, coding)
+
+    def span(self, offset: int, length: int) -> tuple[int, int]:
+        """Payload bytes ``[lo, hi)`` to read (whole segments) for raw bytes ``[offset,
+        offset+length)`` of the chunk, which must lie within it."""
+        if self.coding is None:
+            return self.covering(offset, length)[2:]
+        f0, f1 = self.coding.frames_for(offset, length)
+        return f0 * self.coding.frame, f1 * self.coding.frame
 
     def covering(self, offset: int, length: int) -> tuple[int, int, int, int]:
         """Segments ``[s0, s1)`` covering payload bytes ``[offset, offset+length)``, and the
@@ -134,9 +181,9 @@ def peek_header_len(raw: bytes | memoryview) -> int:
     magic, version, _flags, hlen, _key, _n, _seg, nseg = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {bytes(magic)!r}")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_CODED):
         raise CorruptObject(f"unsupported version {version}")
-    if hlen != header_len(nseg):
+    if hlen != header_len(nseg, version == VERSION_CODED):
         raise CorruptObject("header length mismatch")
     return hlen
 
@@ -257,19 +304,79 @@ class BufferPool:
 
 
 # -- the shared half of a remote tier ---------------------------------------------------------
-class RemoteTier(Tier):
-    """Request checks, read verification and damage handling shared by the remote tiers."""
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """What a put stores for one chunk: ``data`` (its raw bytes, or a codec's frames) in segments
+    of ``segment_bytes`` (None: one), and the ``coding`` of the frames."""
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
+    data: torch.Tensor
+    segment_bytes: int | None
+    coding: Coding | None = None
+
+    @property
+    def raw_nbytes(self) -> int:
+        return self.data.numel() if self.coding is None else self.coding.raw_nbytes
+
+
+def _frames(part: memoryview) -> torch.Tensor:
+    """Verified stored bytes as a tensor to decode (read-only bytes are copied: torch wants a
+    writable buffer, and a compressed range is small next to what decoding it costs)."""
+    if not len(part):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(part) if part.readonly else part, dtype=torch.uint8)
+
+
+class RemoteTier(Tier):
+    """Request checks, encoding, read verification and decoding, and damage handling shared by
+    the remote tiers."""
+
+    config: ValkeyTierConfig | MooncakeTierConfig
+
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
+            fmt: KVFormat | None = None) -> bool:
         """Like :meth:`Tier.put`: :meth:`put_many` of one entry (CPU data is sent from where it
-        lies, without a staging copy)."""
+        lies, without a staging copy; with a codec, KV goes as its frames)."""
         src = as_byte_tensor(data)
-        if src.device.type != "cpu" or src.numel() == 0:
+        if src.numel() == 0 or (src.device.type != "cpu" and not self._encodes(fmt)):
             return super().put(key, src, segment_bytes)
-        outcome = self.put_many([key], [src], segment_bytes)[0]
+        outcome = self.put_many([key], [src], segment_bytes, fmts=[fmt])[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    @property
+    def codec(self) -> str:
+        """The codec new KV chunks are stored with (any codec is read back)."""
+        return self.config.codec
+
+    def _encodes(self, fmt: KVFormat | None) -> bool:
+        return fmt is not None and self.codec != "none"
+
+    def _payloads(self, keys: Sequence[ChunkKey], srcs: Sequence[torch.Tensor], segment_bytes: int | None,
+                  fmts: Sequence[KVFormat | None] | None) -> list[Payload] | None:
+        """What a ``put_many`` stores for each entry (see :meth:`_payload`); None when one must
+        go the default way (reserve, copy, commit): it is empty, or off the CPU and not KV to
+        encode."""
+        formats = [None] * len(srcs) if fmts is None else list(fmts)
+        self._paired(keys, formats, "formats")
+        if any(src.numel() == 0 or (src.device.type != "cpu" and not self._encodes(f))
+               for src, f in zip(srcs, formats, strict=True)):
+            return None
+        return [self._payload(src, segment_bytes, f) for src, f in zip(srcs, formats, strict=True)]
+
+    def _payload(self, src: torch.Tensor, segment_bytes: int | None, fmt: KVFormat | None) -> Payload:
+        """The frames of ``src`` when this tier has a codec, ``fmt`` says what the bytes are and
+        framing them saves bytes (:func:`~kvtier.tiers.coded.encode_entry`); else ``src`` as it
+        is (copied to the CPU if it is KV off it)."""
+        if not self._encodes(fmt):
+            return Payload(src, segment_bytes)
+        raw = src if src.device.type == "cpu" else src.cpu()
+        valid = segment_bytes is None or (isinstance(segment_bytes, int) and segment_bytes > 0)
+        coded = encode_entry(self.codec, raw, segment_bytes, fmt) if valid else None
+        if coded is None or coded[0].numel() >= raw.numel():  # refused, or nothing saved
+            return Payload(raw, segment_bytes)
+        frames, coding = coded
+        return Payload(frames, coding.frame, coding)
 
     def pin_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """One :meth:`contains_many` (one round trip), then the pins of those held."""
@@ -284,18 +391,21 @@ class RemoteTier(Tier):
         """One :meth:`contains_many` (one round trip)."""
         return next((n for n, held in enumerate(self.contains_many(keys)) if not held), len(keys))
 
-    def footprint(self, nbytes: int, segment_bytes: int | None = None) -> int:
-        return header_len(segment_count(nbytes, segment_bytes or nbytes)) + nbytes
+    def footprint(self, nbytes: int, segment_bytes: int | None = None, coded: bool = False) -> int:
+        """Bytes charged for an object of ``nbytes`` of payload (``coded``: a codec's frames;
+        a raw chunk that the tier's codec then compresses is charged what it takes framed)."""
+        return header_len(segment_count(nbytes, segment_bytes or nbytes), coded) + nbytes
 
-    def _check_request(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[ChunkKey, int, int]:
-        """Validate a write; returns (key, segment bytes, bytes charged)."""
+    def _check_request(self, key: ChunkKey, nbytes: int, segment_bytes: int | None,
+                       coded: bool = False) -> tuple[ChunkKey, int, int]:
+        """Validate a write of ``nbytes`` of payload; returns (key, segment bytes, bytes charged)."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"{self.name}: entry size must be a positive int, got {nbytes!r}")
         seg = nbytes if segment_bytes is None else segment_bytes
         if not isinstance(seg, int) or seg <= 0:
             raise ValueError(f"{self.name}: segment_bytes must be a positive int, got {segment_bytes!r}")
-        charge = self.footprint(nbytes, seg)
+        charge = self.footprint(nbytes, seg, coded)
         if charge > self.capacity:
             raise ValueError(
                 f"{self.name}: entry of {nbytes} bytes ({charge} stored) is larger than the "
@@ -321,10 +431,31 @@ class RemoteTier(Tier):
         length: int,
         out: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Verify ``part`` (payload bytes from ``lo``, whole segments) and copy the requested
-        range into ``out`` or a new tensor. A mismatch is handled as damage (None; the content of
-        ``out`` is then unspecified). Verification and copy go block by block, so the copy reads
-        bytes the checksum just brought into the cache."""
+        """Verify ``part`` (payload bytes from ``lo``, whole segments: ``header.span(offset,
+        length)``) and deliver raw bytes ``[offset, offset+length)`` of the chunk into ``out`` or
+        a new tensor, decoding frames if the chunk is coded. A mismatch or a frame that does not
+        decode is handled as damage (None; the content of ``out`` is then unspecified)."""
+        coding = header.coding
+        if coding is None:
+            return self._copy_out(key, header, part, lo, offset, length, out)
+        bad = header.bad_segment(part, lo // coding.frame)
+        if bad is not None:
+            return self._damaged(key, f"checksum mismatch in segment {bad}")
+        target = out if out is None or out.is_contiguous() else None  # decoding writes views
+        try:
+            got = decode_range(coding, _frames(part), lo // coding.frame, offset, length, target)
+        except CodecError as exc:
+            return self._damaged(key, f"undecodable frame: {exc}")
+        if out is not None and got is not out:
+            got = out.copy_(got)
+        self.stats.hits += 1
+        self.stats.bytes_read += length
+        return got
+
+    def _copy_out(self, key: ChunkKey, header: ObjectHeader, part: memoryview, lo: int, offset: int,
+                  length: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """:meth:`_deliver` of a raw chunk. Verification and copy go block by block, so the copy
+        reads bytes the checksum just brought into the cache."""
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         dst_t = out if direct else torch.empty(length, dtype=torch.uint8)
         dst = memoryview(dst_t.numpy()).cast("B")  # type: ignore[union-attr]

@@ -2,7 +2,10 @@
 
 Both tiers take ``capacity_bytes`` (headers included), a key ``prefix`` (a namespace: processes
 that share a prefix share chunks), ``timeout_s`` (the longest wait for the server) and
-``reconnect_interval_s`` (how often a tier that is down tries again).
+``reconnect_interval_s`` (how often a tier that is down tries again), and ``codec``: ``"none"``
+(the default) stores chunks as they are; ``"fp8"``, ``"int8"`` or ``"int4"`` stores KV chunks
+through that lossy codec (:mod:`kvtier.tiers.codecs`), 2-4x smaller. A tier reads chunks of any
+codec back, whatever its own, so processes sharing a prefix may differ in it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+
+from kvtier.tiers.codecs import check_codec
 
 
 def check_positive_int(value: object, field: str) -> None:
@@ -63,8 +68,12 @@ class ValkeyTierConfig:
     """Keep each tenant's chunks under ``<prefix>.t.<tenant>`` (``<prefix>.shared`` for the empty
     tenant), each with this budget, so that server ACLs can confine an instance to its tenants
     (:mod:`kvtier.tiers.tenants`)."""
+    codec: str = "none"
+    """Store KV chunks through this lossy codec (``fp8``, ``int8``, ``int4``; see the module
+    docstring)."""
 
     def __post_init__(self) -> None:
+        check_codec(self.codec, "valkey")
         if not isinstance(self.tenant_prefixes, bool):
             raise ValueError(f"valkey tenant_prefixes must be true or false, got {self.tenant_prefixes!r}")
         if isinstance(self.addresses, str) or not self.addresses:
@@ -111,8 +120,12 @@ class MooncakeTierConfig:
     reconnect_interval_s: float = 1.0
     workers: int = 4
     """Threads that run Mooncake calls (a stalled server can hold each up to Mooncake's own 30 s)."""
+    codec: str = "none"
+    """Store KV chunks through this lossy codec (``fp8``, ``int8``, ``int4``; see the module
+    docstring)."""
 
     def __post_init__(self) -> None:
+        check_codec(self.codec, "mooncake")
         parse_address(self.master_address, "mooncake master_address")
         check_positive_int(self.capacity_bytes, "mooncake capacity_bytes")
         for field in ("metadata_server", "local_hostname"):

@@ -21,6 +21,7 @@ import xxhash
 
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.base import PutOutcome, Reservation, Tier, TierStats
+from kvtier.tiers.codecs import KVFormat
 
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -95,8 +96,9 @@ class TenantTiers(Tier):
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         return self._for(reservation.key).commit(reservation, ok)
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        return self._for(key).put(key, data, segment_bytes)
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
+            fmt: KVFormat | None = None) -> bool:
+        return self._for(key).put(key, data, segment_bytes, fmt=fmt)
 
     def get(self, key: ChunkKey, out: torch.Tensor | None = None, offset: int = 0,
             length: int | None = None) -> torch.Tensor | None:
@@ -128,10 +130,15 @@ class TenantTiers(Tier):
 
     # -- batches, one call per tenant ---------------------------------------------------------
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
-                 segment_bytes: int | None = None) -> list[PutOutcome]:
+                 segment_bytes: int | None = None, *,
+                 fmts: Sequence[KVFormat | None] | None = None) -> list[PutOutcome]:
+        self._paired(keys, datas, "entries")
+        if fmts is not None:
+            self._paired(keys, fmts, "formats")
         out: list[PutOutcome] = [False] * len(keys)
         for tenant, idx in self._groups(keys).items():
-            got = self._tier(tenant).put_many([keys[i] for i in idx], [datas[i] for i in idx], segment_bytes)
+            got = self._tier(tenant).put_many([keys[i] for i in idx], [datas[i] for i in idx], segment_bytes,
+                                              fmts=None if fmts is None else [fmts[i] for i in idx])
             for i, r in zip(idx, got, strict=True):
                 out[i] = r
         return out

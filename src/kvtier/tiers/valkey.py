@@ -9,6 +9,10 @@ reservations are keys under the ``{p}`` hash tag, changed only by the scripts of
 :mod:`kvtier.tiers.valkey_lua`, atomically also in a cluster: ``keys`` (oldest first),
 ``contains``, ``entry_bytes``, ``used`` and the capacity budget are the same for all processes.
 
+Chunks put with a ``fmt`` through a tier with a ``codec`` are stored as the codec's frames
+(:mod:`kvtier.tiers.remote`, version 2 objects); ``entry_bytes`` and the index keep their raw
+size, the budget is charged what they take.
+
 Lifecycle: ``reserve`` runs a script that refuses a key already committed or being written and
 charges the budget (TierFullError when it does not fit); the buffer it returns is local.
 ``commit`` writes header and payload, then a script publishes the chunk in the index; an entry
@@ -44,6 +48,8 @@ from kvtier.tiers.base import (
     as_byte_tensor,
     check_key,
 )
+from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.coded import Coding
 from kvtier.tiers.remote import BufferPool, CorruptObject, ObjectHeader, RemoteTier, segment_count
 from kvtier.tiers.remote_config import ValkeyTierConfig
 from kvtier.tiers.valkey_io import Unavailable, Upload, ValkeyConnection, bulks, overlapped
@@ -67,6 +73,8 @@ class _Put:
     segment_bytes: int
     charge: int
     view: memoryview
+    """The stored payload (a codec's frames when ``coding`` is set)."""
+    coding: Coding | None = None
     tmp: str = ""
     args: list[object] = field(default_factory=list)
     """The script's keys past the fixed ones and its arguments, header last (once packed)."""
@@ -111,8 +119,9 @@ class ValkeyTier(RemoteTier):
         return self._last_used
 
     # -- writes -------------------------------------------------------------------------------
-    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None) -> tuple[ChunkKey, int, str]:
-        key, seg, charge = self._check_request(key, nbytes, segment_bytes)
+    def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None,
+              coded: bool = False) -> tuple[ChunkKey, int, str]:
+        key, seg, charge = self._check_request(key, nbytes, segment_bytes, coded)
         token = secrets.token_hex(8)
         keys = [self._used_key, self._resv, self._resvb, self._meta]
         args = [key.hex(), charge, self.capacity, int(self.config.reservation_ttl_s * 1000), token]
@@ -155,17 +164,20 @@ class ValkeyTier(RemoteTier):
             del res.buffer
             self._staging.give(staging)
 
-    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None) -> bool:
-        """Like :meth:`RemoteTier.put`; in a cluster, CPU data goes through ``reserve`` (without
-        its staging copy) and ``commit``."""
+    def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
+            fmt: KVFormat | None = None) -> bool:
+        """Like :meth:`RemoteTier.put`; in a cluster, CPU data (or its frames) goes through
+        ``reserve`` (without its staging copy) and ``commit``."""
         src = as_byte_tensor(data)
-        if not self.config.cluster or src.device.type != "cpu" or src.numel() == 0:
-            return super().put(key, src, segment_bytes)
-        key, seg, token = self._take(key, src.numel(), segment_bytes)
-        return self._write(key, src, seg, token)
+        if not self.config.cluster or src.numel() == 0 or (src.device.type != "cpu" and not self._encodes(fmt)):
+            return super().put(key, src, segment_bytes, fmt=fmt)
+        p = self._payload(src, segment_bytes, fmt)
+        key, seg, token = self._take(key, p.data.numel(), p.segment_bytes, p.coding is not None)
+        return self._write(key, p.data, seg, token, p.coding)
 
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
-                 segment_bytes: int | None = None) -> list[PutOutcome]:
+                 segment_bytes: int | None = None, *,
+                 fmts: Sequence[KVFormat | None] | None = None) -> list[PutOutcome]:
         """Like :meth:`Tier.put_many`. On a standalone server, in one round trip for all: each
         payload goes to a temporary key that expires, piece by piece, checksummed as it goes
         (see ``_PIECE``); then a script admits the chunk (as reserve does), renames the payload
@@ -173,10 +185,12 @@ class ValkeyTier(RemoteTier):
         upload (the tier is full: the caller evicts anyway; the uploader asks first which
         chunks are there already). The next chunk goes out while the server takes one."""
         srcs = self._batch_data(keys, datas)
-        if self.config.cluster or any(src.device.type != "cpu" or src.numel() == 0 for src in srcs):
-            return super().put_many(keys, srcs, segment_bytes)
-        puts = [_Put(*self._check_request(k, src.numel(), segment_bytes), memoryview(src.numpy()).cast("B"))
-                for k, src in zip(keys, srcs, strict=True)]
+        payloads = None if self.config.cluster else self._payloads(keys, srcs, segment_bytes, fmts)
+        if payloads is None:
+            return super().put_many(keys, srcs, segment_bytes, fmts=fmts)
+        puts = [_Put(*self._check_request(k, p.data.numel(), p.segment_bytes, p.coding is not None),
+                     memoryview(p.data.numpy()).cast("B"), p.coding)
+                for k, p in zip(keys, payloads, strict=True)]
         ttl = int(self.config.reservation_ttl_s * 1000)
         uploads = [self._upload(put, ttl) for put in puts]
 
@@ -214,8 +228,9 @@ class ValkeyTier(RemoteTier):
         def script_call() -> bytes:  # once the whole payload is sent
             if len(sums) != segment_count(len(view), seg):  # never publish a header that lies
                 raise RuntimeError(f"valkey: {len(sums)} checksums for {segment_count(len(view), seg)} segments")
-            header = ObjectHeader(key, len(view), seg, tuple(sums)).encode()
-            put.args = [put.tmp, hkey, dkey, key.hex(), put.charge, self.capacity, len(view), header]
+            header = ObjectHeader(key, len(view), seg, tuple(sums), put.coding)
+            put.args = [put.tmp, hkey, dkey, key.hex(), put.charge, self.capacity, header.raw_nbytes,
+                        header.encode()]
             return self._put_head + bulks(*put.args)
 
         return Upload(("SET", put.tmp, view, "PX", ttl), script_call, seg * max(1, _PIECE // seg), sent)
@@ -238,14 +253,16 @@ class ValkeyTier(RemoteTier):
         self.stats.bytes_written += len(put.view)
         return True
 
-    def _write(self, key: ChunkKey, payload: torch.Tensor, seg: int, token: str) -> bool:
-        """Upload and publish a reserved chunk; False (counted, reservation released) on failure."""
+    def _write(self, key: ChunkKey, payload: torch.Tensor, seg: int, token: str,
+               coding: Coding | None = None) -> bool:
+        """Upload and publish a reserved chunk (``payload``: its frames when ``coding`` is set);
+        False (counted, reservation released) on failure."""
         view = memoryview(payload.numpy()).cast("B")
-        header = ObjectHeader.for_payload(key, view, seg)
+        header = ObjectHeader.for_payload(key, view, seg, coding)
         raw = header.encode()
         hkey, dkey = self._data_keys(key)
         keys = [self._resv, self._resvb, self._idx, self._meta, self._seq]
-        args = [key.hex(), token, header.nbytes]
+        args = [key.hex(), token, header.raw_nbytes]
 
         def upload(c) -> int:
             if self.config.cluster:  # different slots: the bytes must land before the index says so
@@ -316,8 +333,8 @@ class ValkeyTier(RemoteTier):
                 raw, data = self._conn.run("get", lambda c: c.mget(hkey, dkey))
             else:
                 header = ObjectHeader.decode(cached)
-                length = self._check_range(header.nbytes, offset, length, out)
-                _, _, lo, hi = header.covering(offset, length)
+                length = self._check_range(header.raw_nbytes, offset, length, out)
+                lo, hi = header.span(offset, length)
                 args = [lo, hi - 1] if hi > lo else [1, 0]
                 raw, data = self._conn.run("get", lambda c: lua.run(c, lua.READ_RANGE, [hkey, dkey], args))
                 if raw != cached:  # rewritten since: read it whole
@@ -338,8 +355,8 @@ class ValkeyTier(RemoteTier):
             header = ObjectHeader.decode(raw, key)
         except CorruptObject as exc:
             return self._damaged(key, str(exc))
-        length = self._check_range(header.nbytes, offset, length, out)
-        _, _, want_lo, want_hi = header.covering(offset, length)
+        length = self._check_range(header.raw_nbytes, offset, length, out)
+        want_lo, want_hi = header.span(offset, length)
         if whole and len(data) != header.nbytes:
             return self._damaged(key, f"payload of {len(data)} bytes, header says {header.nbytes}")
         if whole:
