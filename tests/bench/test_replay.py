@@ -128,8 +128,8 @@ def test_cli_reports_a_bad_line_and_an_unknown_policy_clearly(tmp_path):
     res = CliRunner().invoke(main, ["replay", str(path)])
     assert res.exit_code != 0 and "line 3" in res.output
     path.write_text(line(0, [1]) + "\n")
-    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "fifo"])
-    assert res.exit_code != 0 and "unknown policy 'fifo'" in res.output
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "mru"])
+    assert res.exit_code != 0 and "unknown policy 'mru'" in res.output
     res = CliRunner().invoke(main, ["replay", str(tmp_path / "missing.jsonl")])
     assert res.exit_code != 0 and "cannot read trace" in res.output
 

@@ -62,7 +62,7 @@ def test_a_run_held_in_one_tier_is_promoted_in_one_batch_when_dram_takes_it_whol
     assert small.placement.stats.promotions == 0 and small.placement.index.fastest(k(0)) == 1
 
 
-@pytest.mark.parametrize("kw", [{"policy": "fifo"}, {"dram_chunks": 0}, {"ssd_chunks": -1}])
+@pytest.mark.parametrize("kw", [{"policy": "mru"}, {"dram_chunks": 0}, {"ssd_chunks": -1}])
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
         SimConfig(**kw)

@@ -11,7 +11,7 @@ def test_registry_builds_policies_by_name_and_names_the_known_ones():
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert "lru" in POLICIES
     with pytest.raises(ValueError, match="known policies: \\['lru'"):
-        make_policy("fifo")
+        make_policy("mru")
 
 
 def test_lru_evicts_least_recent_first():

@@ -3,7 +3,8 @@
 ``timestamp``: arrival in ms; ``input_length`` and ``output_length``: tokens; ``hash_ids``:
 ids of the prompt's 512-token blocks, prefix-chained (two prompts share block ``i``'s id only if
 they share every token up to the end of that block; the last, partial block gets an id too).
-Sessions are not given and not needed.
+Sessions are not needed; kvtier's own traces name each request's session in an optional
+``session_id`` (an integer or a string), which the parser keeps when present.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Request:
     output_length: int
     keys: list[ChunkKey]
     """One key per block id, in prefix order."""
+    session_id: int | str | None = None
+    """The line's ``session_id``, when it has one."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,10 @@ def parse_trace(lines: Iterable[str], name: str = "<trace>") -> Trace:
                 f"{where}: {len(keys)} hash ids do not cover input_length {input_length} "
                 f"in blocks of {MOONCAKE_BLOCK_TOKENS} tokens"
             )
-        rows.append(Request(stamp / 1000.0, input_length, output_length, keys))
+        session = obj.get("session_id")
+        if session is not None and (isinstance(session, bool) or not isinstance(session, (int, str))):
+            raise TraceError(f"{where}: 'session_id' must be an integer or a string, got {session!r}")
+        rows.append(Request(stamp / 1000.0, input_length, output_length, keys, session))
     if not rows:
         raise TraceError(f"{name}: no requests")
     rows.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
@@ -116,6 +122,39 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def write_request(out: TextIO, timestamp_ms: int, input_length: int, output_length: int,
-                  hash_ids: Sequence[int]) -> None:
-    out.write(json.dumps({"timestamp": timestamp_ms, "input_length": input_length,
-                          "output_length": output_length, "hash_ids": list(hash_ids)}) + "\n")
+                  hash_ids: Sequence[int], session_id: int | str | None = None) -> None:
+    """One line of a trace; ``session_id`` is written only when given."""
+    row: dict[str, object] = {"timestamp": timestamp_ms, "input_length": input_length,
+                              "output_length": output_length, "hash_ids": list(hash_ids)}
+    if session_id is not None:
+        row["session_id"] = session_id
+    out.write(json.dumps(row) + "\n")
+
+
+class BlockIds:
+    """Mooncake-style block ids for prompts that grow turn by turn (multi-turn sessions).
+
+    A session keeps the ids of its full blocks in a list; :meth:`prompt` extends that list with
+    fresh ids as its history grows past block boundaries, so a later turn shares every full
+    block of an earlier one. The last, partial block of a prompt always gets a fresh id: its
+    content changes as the history grows, so it can never be reused. Ids count up from 0 in the
+    order they are issued.
+    """
+
+    def __init__(self) -> None:
+        self.issued = 0
+        """Ids handed out so far (every one of them names a distinct block)."""
+
+    def fresh(self, n: int) -> list[int]:
+        """``n`` new ids (the full blocks of a prompt shared from the start, say)."""
+        ids = list(range(self.issued, self.issued + n))
+        self.issued += n
+        return ids
+
+    def prompt(self, full: list[int], tokens: int) -> list[int]:
+        """The hash ids of a ``tokens``-token prompt whose full blocks begin with ``full`` (the
+        session's, extended in place with fresh ids up to ``tokens // 512``)."""
+        c = MOONCAKE_BLOCK_TOKENS
+        if len(full) < tokens // c:
+            full.extend(self.fresh(tokens // c - len(full)))
+        return full[: tokens // c] + (self.fresh(1) if tokens % c else [])

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import numpy as np
 
-from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, write_request
+from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, BlockIds, write_request
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,8 @@ def generate(config: WorkloadConfig, out: TextIO) -> int:
     """Write ``config.requests`` requests to ``out``, in timestamp order. Returns the count."""
     rng = np.random.default_rng(config.seed)
     c = MOONCAKE_BLOCK_TOKENS
-    next_id = 0
-    system_blocks: list[list[int]] = []
-    for _ in range(config.system_prompts):
-        ids = list(range(next_id, next_id + config.system_tokens // c))
-        next_id += len(ids)
-        system_blocks.append(ids)
+    blocks = BlockIds()
+    system_blocks = [blocks.fresh(config.system_tokens // c) for _ in range(config.system_prompts)]
     popularity = 1.0 / np.arange(1, config.system_prompts + 1)
     popularity /= popularity.sum()
 
@@ -97,13 +93,7 @@ def generate(config: WorkloadConfig, out: TextIO) -> int:
         if prompt > config.max_history_tokens:
             del sessions[sid]
             continue
-        while len(s.blocks) < prompt // c:  # new full blocks: this session's own from here
-            s.blocks.append(next_id)
-            next_id += 1
-        ids = list(s.blocks)
-        if prompt % c:
-            ids.append(next_id)  # the partial last block: fresh every time
-            next_id += 1
+        ids = blocks.prompt(s.blocks, prompt)
         output = lognormal(config.output_tokens_mean)
         write_request(out, int(now * 1000), prompt, output, ids)
         written += 1

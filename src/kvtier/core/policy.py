@@ -13,6 +13,7 @@ from kvtier.core.policies.attentionstore import AttentionStorePolicy
 from kvtier.core.policies.base import EvictionPolicy, FutureUses, TierContext
 from kvtier.core.policies.clairvoyant import ClairvoyantPolicy
 from kvtier.core.policies.cost import CostPolicy
+from kvtier.core.policies.fifo import FIFOPolicy
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.optimal import OptimalPolicy
 
@@ -23,6 +24,7 @@ __all__ = [
     "ClairvoyantPolicy",
     "CostPolicy",
     "EvictionPolicy",
+    "FIFOPolicy",
     "FutureUses",
     "LRUPolicy",
     "OptimalPolicy",
@@ -32,14 +34,15 @@ __all__ = [
 
 POLICIES: dict[str, Callable[[TierContext], EvictionPolicy]] = {
     "lru": lambda context: LRUPolicy(),
+    "fifo": lambda context: FIFOPolicy(),
     "attentionstore": lambda context: AttentionStorePolicy(),
     "cost": CostPolicy,
     "optimal": OptimalPolicy,
     "clairvoyant": ClairvoyantPolicy,
 }
-"""Name -> factory taking the tier's context. Listed baseline first."""
+"""Name -> factory taking the tier's context. Listed baselines first."""
 
-LIVE_POLICIES: tuple[str, ...] = ("lru", "attentionstore", "cost")
+LIVE_POLICIES: tuple[str, ...] = ("lru", "fifo", "attentionstore", "cost")
 """Those a live store can run (``optimal`` needs the future)."""
 
 
