@@ -141,7 +141,13 @@ class CostPolicy(EvictionPolicy):
         self._resident[key] = priority
         heapq.heappush(self._heap, (priority, -position, next(self._tie), key))
         if len(self._heap) > 4 * len(self._resident) + 1024:
-            self._heap = [e for e in self._heap if self._resident.get(e[3]) == e[0]]
+            # one live entry per key: a key queued again at the same priority (no eviction
+            # raised the inflation meanwhile) leaves a duplicate that would defeat the compaction
+            live: dict[ChunkKey, tuple[float, int, int, ChunkKey]] = {}
+            for e in self._heap:
+                if self._resident.get(e[3]) == e[0]:
+                    live.setdefault(e[3], e)
+            self._heap = list(live.values())
             heapq.heapify(self._heap)
 
     # -- EvictionPolicy -----------------------------------------------------------------------
