@@ -62,6 +62,10 @@ class ReplayConfig:
     ratio`` blocks (``ssd_blocks`` counts raw blocks' worth of bytes)."""
     ssd_decode_GBps: float = math.inf
     """Raw GB/s the codec decodes at: an SSD hit reads ``ratio`` of the bytes, then decodes."""
+    save_replies: bool = True
+    """On a trace that names sessions: after a turn, also save the blocks its reply completes
+    (named by the session's next prompt), as a store behind an engine that saves generated
+    tokens does (kvtier's connector, AttentionStore). Without session ids only prompts are saved."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -115,6 +119,11 @@ class ReplayResult:
     ssd_codec: str = "none"
     ssd_blocks_held: int = 0
     """Blocks the SSD held (more than ``ssd_blocks`` with a codec)."""
+    hit_rate: float | None = None
+    """On a trace that names sessions: of the history blocks saved for a session's earlier
+    turns (what a turn could reuse), the share found (AttentionStore's "cache hit rate")."""
+    dram_share_of_hits: float = 0.0
+    """Of the blocks hit, the share served from DRAM."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -137,6 +146,9 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     base_s = cached_s = base_flops = cached_flops = 0.0
     hit_blocks = hit_tokens = total_tokens = 0
     announced = window_blocks = 0
+    following = _next_in_session(requests)
+    saved_for: dict[int, int] = {}  # request -> its history blocks saved by earlier turns
+    reusable = reused = 0
     for seq, req in enumerate(requests):
         start = max(req.arrival_s, free[0])
         place.begin(seq, start)
@@ -158,6 +170,17 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         hit = place.lookup(req.keys)
         sources = place.load(hit)
         place.save(req.keys)
+        history = saved_for.pop(seq, None)
+        if history:
+            reusable += history
+            reused += min(len(sources), history)
+        nxt = following[seq]
+        if nxt is not None:
+            done = requests[nxt].keys[: (req.input_length + req.output_length) // c] if config.save_replies \
+                else req.keys[: req.input_length // c]
+            if len(done) > req.input_length // c:
+                place.save(done)  # the reply's blocks: the store holds the whole turn now
+            saved_for[nxt] = len(done)
         got = min(len(sources) * c, req.input_length)
         flops = compute.prefill_flops(got, req.input_length)
         full = compute.prefill_flops(0, req.input_length)
@@ -196,7 +219,25 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         refused_blocks=st.refused,
         ssd_codec=config.ssd_codec,
         ssd_blocks_held=config.ssd_blocks_held,
+        hit_rate=(reused / reusable if reusable else 0.0) if any(r.session_id is not None for r in requests)
+        else None,
+        dram_share_of_hits=place.hits[0] / sum(place.hits) if sum(place.hits) else 0.0,
     )
+
+
+def _next_in_session(requests: list) -> list[int | None]:
+    """For each request, the number of its session's next request (None: the last, or a trace
+    without session ids)."""
+    following: list[int | None] = [None] * len(requests)
+    last: dict[object, int] = {}
+    for seq, req in enumerate(requests):
+        sid = req.session_id
+        if sid is None:
+            continue
+        if sid in last:
+            following[last[sid]] = seq
+        last[sid] = seq
+    return following
 
 
 def sweep(trace: Trace, base: ReplayConfig, policies: list[str],
