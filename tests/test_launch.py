@@ -52,6 +52,8 @@ def test_flags_the_stack_sets_itself_are_refused_and_others_pass(tiny_model_dir)
         VLLMSpec(model="/nonexistent")
     with pytest.raises(ValueError, match="go together"):
         StoreSpec(host_bytes=1 << 20, disk_path="/tmp/x")
+    with pytest.raises(ValueError, match="disk_codec must be"):
+        StoreSpec(host_bytes=1 << 20, disk_path="/tmp/x", disk_bytes=1 << 30, disk_codec="zstd")
 
 
 def test_a_daemon_that_cannot_start_is_named_and_vllm_is_never_started(tiny_model_dir, tmp_path):

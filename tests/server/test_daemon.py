@@ -262,6 +262,9 @@ def test_garbage_on_the_socket_drops_that_client_only(daemon):
 def test_bad_config_is_refused_with_a_clear_error(tmp_path):
     base = {"socket": str(tmp_path / "s.sock"), "host": {"capacity_bytes": "1MiB"}}
     assert daemon_config(base).cache.host.capacity_bytes == 1 << 20
+    coded = daemon_config({**base, "disk": {"path": str(tmp_path / "d"), "capacity_bytes": "1GiB",
+                                             "codec": "auto", "max_kl": 0.01}})
+    assert (coded.cache.disk.codec, coded.cache.disk.max_kl) == ("auto", 0.01)
     for bad, words in [
         ({**base, "colour": "red"}, "unknown key"),
         ({**base, "host": {"capacity_bytes": 1 << 20, "size": 3}}, r"unknown key\(s\) in \[host\]"),
@@ -277,6 +280,13 @@ def test_bad_config_is_refused_with_a_clear_error(tmp_path):
         ({**base, "policy": "optimal"}, "offline bound"),
         ({**base, "access": {"mode": "rw"}}, "octal mode"),
         ({**base, "access": {"tenants": {"1001": "acme"}}}, "list of tenant names"),
+        ({**base, "disk": {"path": str(tmp_path / "d"), "capacity_bytes": "1GiB", "codec": "zstd"}},
+         "disk: codec must be one of"),
+        ({**base, "disk": {"path": str(tmp_path / "d"), "capacity_bytes": "1GiB", "max_kl": "low"}},
+         "disk.max_kl must be a number"),
+        ({**base, "remote": {"backend": "valkey", "valkey": {"addresses": ["127.0.0.1:1"],
+                                                              "capacity_bytes": "1GiB", "codec": "int3"}}},
+         "valkey: codec must be one of"),
     ]:
         with pytest.raises(ValueError, match=words):
             daemon_config(bad)
