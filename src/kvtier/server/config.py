@@ -15,6 +15,7 @@
     fsync = false
     o_direct = true
     codec = "none"                       # or "fp8", "int8", "int4" (lossy), "auto"
+    max_kl = 0.005                       # auto: the quality a codec may cost (mean KL, nats)
     mode = "0600"                        # chunk files; directories get search permission too
     group = "inference"                  # optional: a group name or id
     [access]                             # optional
@@ -32,6 +33,7 @@
     [remote.valkey]                      # every field of ValkeyTierConfig
     addresses = ["10.0.0.5:6379"]
     capacity_bytes = "1TiB"
+    codec = "none"                       # or "fp8", "int8", "int4": chunks stored compressed
     [remote.mooncake]                    # every field of MooncakeTierConfig (backend = "mooncake")
     master_address = "10.0.0.6:50051"
     capacity_bytes = "1TiB"
