@@ -86,3 +86,16 @@ def test_a_damaged_compressed_chunk_is_a_miss_and_its_followers_are_not_loaded(t
         loaded = store.load(hit)
         assert loaded.tokens == 0  # the first chunk is gone: nothing after it can be used
         assert disk.stats.corrupt == 1
+
+
+def test_a_chunk_promoted_from_the_compressed_ssd_keeps_its_format_for_the_way_down(tmp_path):
+    tokens = list(range(3 * C))
+    with store_of(tmp_path, "int8", host_chunks=1) as store:
+        store.save(tokens, make_kv(LAYOUT, len(tokens), seed=8))
+        assert store.flush()
+    with store_of(tmp_path, "int8", host_chunks=3) as store:  # reopened: the format is in the header
+        first = store.keys_for(tokens)[0]
+        disk = store.tiers[1]
+        assert disk.format_of(first) == KVFormat.of_layout(LAYOUT)
+        assert store.load(store.lookup(tokens)).tokens >= C
+        assert store.host.contains(first) and store.host.format_of(first) == KVFormat.of_layout(LAYOUT)

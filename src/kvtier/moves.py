@@ -302,7 +302,7 @@ class TierMover:
                 return Copied.SOURCE_LOST
             shape = Shape(n, n)
         try:
-            return self.host.reserve(key, shape.nbytes, shape.segment_bytes)
+            return self.host.reserve(key, shape.nbytes, shape.segment_bytes, fmt=source.format_of(key))
         except EntryExistsError:
             return self._await_writer(key)
         except (TierFullError, ValueError) as exc:  # the room made was taken meanwhile: a miss now
@@ -394,7 +394,7 @@ class TierMover:
         key, source = move.key, self.tiers[move.src]
         shape = self.entry_of(move.src, key)
         seg = shape.segment_bytes if shape is not None else None
-        fmt = self.host.format_of(key) if move.src == 0 else None
+        fmt = self.host.format_of(key) if move.src == 0 else source.format_of(key)
         if move.src == 0:
             view = self.host.view(key)
             with self.unlocked(frees_dram=True):

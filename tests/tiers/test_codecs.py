@@ -116,3 +116,32 @@ def test_auto_takes_the_fastest_load_within_the_quality_budget():
     assert choose_codec(figs, read_Bps=100e9, max_kl=0.05) == "none"  # decoding would cost more than it saves
     with pytest.raises(ValueError, match="bandwidth"):
         choose_codec(figs, read_Bps=0, max_kl=0.01)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+def test_values_at_the_edges_of_their_dtype_come_back_finite_and_within_bound(codec):
+    fmt = KVFormat("float16", 64, 2)
+    x = kv_segment("float16").view(torch.float16).clone()
+    x[:64] = 65504.0  # a row at float16's largest value: a step rounded up must not make inf
+    x[64:128] = -65504.0
+    x[5000:5064] = 1e-5  # a tiny row: float16 scales are subnormal there
+    raw = x.view(torch.uint8)
+    back = decode(encode(codec, raw, fmt)).view(torch.float16)
+    assert bool(torch.isfinite(back).all())
+    err = (back.float() - x.float()).abs().view(2, -1, 64)
+    assert bool((err <= error_bound(codec, raw, fmt)).all())
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_odd_sizes_and_misaligned_buffers_decode(codec):
+    fmt = KVFormat("float32", 5, 1)  # 3 rows of 5: an odd element count before the scales
+    raw = torch.randn(15).view(torch.uint8)
+    frame = encode(codec, raw, fmt)
+    store = torch.zeros(frame.numel() + 1, dtype=torch.uint8)
+    store[1:] = frame  # the frame at an odd offset, as in a staging buffer
+    out = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
+    got = decode(store[1:], out=out[1:])  # and the raw bytes to an odd offset
+    assert torch.equal(got, decode(frame))
+    err = (got.clone().view(torch.float32) - raw.view(torch.float32)).abs()
+    assert bool((err <= error_bound(codec, raw, fmt).view(-1)).all())
+

@@ -58,6 +58,7 @@ def test_kv_goes_down_compressed_and_comes_back_raw_within_the_codec_bound(tmp_p
         # a range inside a layer
         assert torch.equal(tier.get(key(1), offset=SEG + 100, length=5000), got[SEG + 100 : SEG + 5100])
         assert tier.stats.bytes_read == raw.numel() + SEG + 5000  # counted in raw bytes
+        assert tier.stats.lossy_hits == 3
 
 
 def test_what_is_not_kv_or_cannot_be_framed_is_stored_raw(tmp_path):

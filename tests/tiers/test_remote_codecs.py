@@ -246,6 +246,24 @@ def test_a_corrupted_compressed_chunk_is_a_counted_miss_never_wrong_bytes(backen
         assert tier.keys() == [key(2)] and late == []
 
 
+def test_an_object_of_a_format_this_version_does_not_know_is_a_miss_left_in_place(backend, caplog):
+    import struct
+
+    import xxhash
+
+    with backend.open("int8") as tier:
+        assert tier.put(key(1), chunk(1), SEG, fmt=FMT)
+        obj = bytearray(backend.read(tier, key(1)))
+        obj[6:8] = (9).to_bytes(2, "little")  # a codec id a later version may add
+        end = CODED_HEADER - 8
+        obj[end:CODED_HEADER] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(obj[:end])))
+        backend.write(tier, key(1), obj)
+        assert tier.get(key(1)) is None
+        assert "unknown codec id 9" in caplog.text and "left in place" in caplog.text
+        assert tier.stats.misses == 1 and tier.stats.corrupt == 0
+        assert backend.read(tier, key(1)) == bytes(obj)  # not deleted: another reader may know it
+
+
 def test_a_truncated_compressed_object_is_a_counted_miss(backend):
     with backend.open("int8") as tier:
         assert tier.put(key(1), chunk(1), SEG, fmt=FMT)

@@ -50,6 +50,8 @@ def serve(model_dir: str, host_bytes: int, disk_path: str | None, disk_bytes: in
         raise click.UsageError(str(exc)) from exc
     if (disk_path is None) != (disk_bytes is None):
         raise click.UsageError("--disk-path and --disk-bytes go together")
+    if disk_codec != "none" and disk_path is None:
+        raise click.UsageError(f"--disk-codec {disk_codec} needs an SSD tier: --disk-path and --disk-bytes")
     try:
         config = StackConfig(
             vllm=VLLMSpec(model=model_dir, port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens,

@@ -66,6 +66,10 @@ def store_serve(config_path: str | None, socket_path: str | None, host_bytes: in
                        **({"path": disk_path} if disk_path else {}),
                        **({"capacity_bytes": disk_bytes} if disk_bytes else {}),
                        **({"codec": disk_codec} if disk_codec else {})}
+    disk = raw.get("disk")
+    if isinstance(disk, dict) and not {"path", "capacity_bytes"} <= disk.keys():
+        raise click.UsageError("an SSD tier needs --disk-path and --disk-bytes (or path and capacity_bytes "
+                               "in the config's [disk] section)")
     try:
         service = StoreService(daemon_config(raw))
     except (ValueError, TypeError) as exc:

@@ -67,6 +67,9 @@ class TierStats:
     """I/O failures and damaged entries (each also a miss when found on read)."""
     corrupt: int = 0
     """Entries whose bytes failed their checksum or header checks."""
+    lossy_hits: int = 0
+    """Hits decoded from a lossy codec's frames (whatever this tier's own codec is): the KV a
+    reader got is close to, not equal to, what was saved."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -252,6 +255,11 @@ class Tier(ABC):
     @abstractmethod
     def entry_bytes(self, key: ChunkKey) -> int | None:
         """Size of a committed entry, None if absent."""
+
+    def format_of(self, key: ChunkKey) -> KVFormat | None:
+        """What a committed entry's bytes are when the tier knows (see ``fmt`` of :meth:`put`);
+        None otherwise. Answers from memory: no I/O (it is asked under the store's lock)."""
+        return None
 
     @abstractmethod
     def keys(self) -> list[ChunkKey]:

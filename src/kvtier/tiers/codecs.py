@@ -13,7 +13,7 @@ Frame of one segment (integers little-endian)::
 
     magic "KVQ1", codec u8, dtype u8, kv u8, reserved u8, head_dim u32, raw_bytes u64,
     rows u32 (rows of one half), group u32 (rows per K scale group), then per half:
-    the quantized elements, then its scales (float16)
+    the quantized elements (zero-padded to a multiple of 4 bytes), then its scales (float16)
 
 A frame names its codec and the raw dtype, so any reader decodes it whatever its own tier's
 codec is; it carries no checksum of its own: the tier checksums the stored bytes.
@@ -108,9 +108,15 @@ def _group(rows: int) -> int:
     return min(GROUP_ROWS, rows)
 
 
+def _data_bytes(codec: str, n: int) -> int:
+    """Bytes of ``n`` quantized elements in a frame, padded so the scales after them align."""
+    data = n // 2 if codec == "int4" else n
+    return -(-data // 4) * 4
+
+
 def _half_bytes(codec: str, rows: int, head_dim: int, per_channel: bool) -> int:
     n = rows * head_dim
-    data = n // 2 if codec == "int4" else n
+    data = _data_bytes(codec, n)
     scales_per = 2 if codec == "int4" else 1  # a minimum and a step, or a step
     if per_channel:
         groups = -(-rows // _group(rows))
@@ -143,6 +149,20 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16)
 
 
+def _step(amax: torch.Tensor, levels: float) -> torch.Tensor:
+    """A float16 step with ``levels`` steps reaching ``amax`` (rounded up, never down: a step
+    rounded down would clip the largest values, tiny ones most, where float16 is subnormal)."""
+    step = _f16((amax / levels).clamp_min(_F16_TINY))
+    short = step.float() * levels < amax
+    return torch.where(short, torch.nextafter(step, torch.full_like(step, torch.inf)), step)
+
+
+def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
+    """``t`` itself, or a copy when its bytes do not start on an ``align``-byte boundary (a
+    view as a wider dtype needs one)."""
+    return t if t.storage_offset() % align == 0 else t.clone()
+
+
 def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     """[rows, d] -> [groups, group, d], the last group padded by repeating its last row (which
     changes no group's range)."""
@@ -157,10 +177,10 @@ def _q_int8(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Ten
     if per_channel:
         g = _grouped(x, _group(x.shape[0]))
         amax = g.abs().amax(dim=1)  # [groups, d]
-        scale = _f16((amax / 127.0).clamp_min(_F16_TINY))
+        scale = _step(amax, 127.0)
         s = scale.float().repeat_interleave(g.shape[1], dim=0)[: x.shape[0]]
     else:
-        scale = _f16((x.abs().amax(dim=1) / 127.0).clamp_min(_F16_TINY))  # [rows]
+        scale = _step(x.abs().amax(dim=1), 127.0)  # [rows]
         s = scale.float()[:, None]
     q = torch.round(x / s).clamp_(-127, 127).to(torch.int8)
     return q.view(torch.uint8).reshape(-1), scale.view(torch.uint8).reshape(-1)
@@ -222,7 +242,7 @@ def _dq_int4(p: torch.Tensor, scales: torch.Tensor, rows: int, d: int, per_chann
 
 
 def _q_fp8(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = _f16((x.abs().amax(dim=1) / FP8_MAX).clamp_min(_F16_TINY))  # per row, always
+    scale = _step(x.abs().amax(dim=1), FP8_MAX)  # per row, always
     q = (x / scale.float()[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8).reshape(-1), scale.view(torch.uint8).reshape(-1)
 
@@ -262,9 +282,12 @@ def encode(codec: str, raw: torch.Tensor, fmt: KVFormat, out: torch.Tensor | Non
     pos = HEADER_BYTES
     for half in range(fmt.kv):
         elems, scales = quant(x[half].float(), _per_channel(codec, fmt, half))
-        for part in (elems, scales):
-            frame[pos : pos + part.numel()] = part
-            pos += part.numel()
+        data = _data_bytes(codec, rows * d)
+        frame[pos : pos + elems.numel()] = elems
+        frame[pos + elems.numel() : pos + data] = 0
+        pos += data
+        frame[pos : pos + scales.numel()] = scales
+        pos += scales.numel()
     assert pos == size
     return frame
 
@@ -303,25 +326,39 @@ def decode(frame: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise CodecError(f"a {info.codec} frame of {frame.numel()} bytes: wrong size for its header")
     if out is not None and out.numel() != info.raw_bytes:
         raise CodecError(f"a frame of {info.raw_bytes} raw bytes read into {out.numel()}")
+    try:
+        return _decode(info, frame, out)
+    except CodecError:
+        raise
+    except (RuntimeError, ValueError) as exc:  # never an exception a reader does not expect
+        raise CodecError(f"undecodable {info.codec} frame: {exc}") from None
+
+
+def _decode(info: FrameInfo, frame: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     fmt, rows, d = info.fmt, info.rows, info.fmt.head_dim
     dequant = _QUANT[info.codec][1]
     dtype = DTYPES[fmt.dtype][1]
-    result = torch.empty(info.raw_bytes, dtype=torch.uint8) if out is None or out.device.type != "cpu" else out
-    target = result.view(dtype).view(fmt.kv, rows, d)
+    direct = (out is not None and out.device.type == "cpu" and out.is_contiguous()
+              and out.storage_offset() % fmt.itemsize == 0)
+    result = out if direct else torch.empty(info.raw_bytes, dtype=torch.uint8)
+    target = result.view(dtype).view(fmt.kv, rows, d)  # type: ignore[union-attr]
+    top = torch.finfo(dtype).max
     pos = HEADER_BYTES
     for half in range(fmt.kv):
         pc = _per_channel(info.codec, fmt, half)
         n = rows * d // 2 if info.codec == "int4" else rows * d
+        data = _data_bytes(info.codec, rows * d)
         elems = frame[pos : pos + n]
-        pos += n
-        ns = _half_bytes(info.codec, rows, d, pc) - n
-        scales = frame[pos : pos + ns]
+        pos += data
+        ns = _half_bytes(info.codec, rows, d, pc) - data
+        scales = _aligned(frame[pos : pos + ns], 2)
         pos += ns
-        target[half].copy_(dequant(elems, scales.contiguous(), rows, d, pc))
+        # a step rounded up can carry the largest value of a row just past the dtype's range
+        target[half].copy_(dequant(elems, scales, rows, d, pc).clamp_(-top, top))
     if out is not None and result is not out:
         out.copy_(result)
         return out
-    return result
+    return result  # type: ignore[return-value]
 
 
 def error_bound(codec: str, raw: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

@@ -42,6 +42,9 @@ class Coding:
     raw_nbytes: int
     raw_seg: int
     frame: int
+    fmt: KVFormat | None = None
+    """What the raw bytes are (kept so that a copy promoted from here is compressed again
+    further down); None where the tier's header does not record it."""
 
     @property
     def segments(self) -> int:
@@ -53,7 +56,7 @@ class Coding:
 
     @classmethod
     def parse(cls, codec_id: int, raw_nbytes: int, raw_seg: int, stored_nbytes: int,
-              stored_seg: int) -> Coding:
+              stored_seg: int, fmt: KVFormat | None = None) -> Coding:
         """The coding a header records; ValueError when its fields disagree."""
         if codec_id not in CODEC_NAMES:
             raise ValueError(f"unknown codec id {codec_id}")
@@ -61,7 +64,7 @@ class Coding:
             raise ValueError("coded entry: raw sizes are not whole segments")
         if stored_seg <= 0 or stored_nbytes != stored_seg * (raw_nbytes // raw_seg):
             raise ValueError("coded entry: stored sizes disagree with the raw ones")
-        return cls(CODEC_NAMES[codec_id], raw_nbytes, raw_seg, stored_seg)
+        return cls(CODEC_NAMES[codec_id], raw_nbytes, raw_seg, stored_seg, fmt)
 
     def frames_for(self, offset: int, length: int) -> tuple[int, int]:
         """Frames ``[f0, f1)`` covering raw bytes ``[offset, offset + length)``."""
@@ -89,7 +92,7 @@ def encode_entry(codec: str, raw: torch.Tensor, segment_bytes: int | None,
     except CodecError as exc:
         log.debug("entry stored raw: %s", exc)
         return None
-    return out, Coding(codec, n, seg, fsize)
+    return out, Coding(codec, n, seg, fsize, fmt)
 
 
 def decode_range(coding: Coding, frames: torch.Tensor, f0: int, offset: int, length: int,

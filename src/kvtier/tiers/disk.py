@@ -11,7 +11,8 @@ File format (all integers little-endian)::
     payload (payload_len bytes, zero-padded to a multiple of 4096)
 
 Version 3 (written for entries stored through a codec, :mod:`kvtier.tiers.coded`) adds, after
-the position, raw_nbytes u64 and raw_segment_bytes u64, and keeps the codec's id in ``flags``;
+the position, raw_nbytes u64, raw_segment_bytes u64 and the KV format (dtype code u8, kv u8,
+head_dim u32), and keeps the codec's id in ``flags``;
 its payload is the codec's frames, one segment each. Version 1 files (no position) are still read.
 
 Guarantees:
@@ -64,7 +65,7 @@ from kvtier.tiers.base import (
     check_key,
     round_up,
 )
-from kvtier.tiers.codecs import CodecError, KVFormat, check_codec, measure
+from kvtier.tiers.codecs import CODECS, DTYPE_NAMES, DTYPES, CodecError, KVFormat, measure
 from kvtier.tiers.coded import Coding, decode_range, encode_entry
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ MAGIC = b"KVTC"
 VERSION = 2
 _FIXED_V1 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
 _FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQI")
-_FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQ")
+_FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBI")
 _NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
 _GONE = (errno.ENOENT, errno.ENOTDIR)
@@ -115,8 +116,8 @@ class DiskTierConfig:
                              f"(like 0o600 or 0o640), got {self.mode!r}")
         if self.group is not None and (not isinstance(self.group, int) or self.group < 0):
             raise ValueError(f"disk group must be a group id, got {self.group!r}")
-        if self.codec != "auto":
-            check_codec(self.codec, "disk")
+        if self.codec != "auto" and self.codec not in CODECS:
+            raise ValueError(f"disk: codec must be one of {[*CODECS, 'auto']}, got {self.codec!r}")
         if not isinstance(self.max_kl, (int, float)) or isinstance(self.max_kl, bool) or not self.max_kl >= 0:
             raise ValueError(f"disk max_kl must be a number >= 0, got {self.max_kl!r}")
 
@@ -154,11 +155,21 @@ def _encode_header(
     if coding is None:
         body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos)
     else:
+        fmt = coding.fmt
+        dcode, kv, hd = (DTYPES[fmt.dtype][0], fmt.kv, fmt.head_dim) if fmt is not None else (0, 0, 0)
         body = _FIXED_V3.pack(MAGIC, 3, coding.codec_id, hlen, key, nbytes, segment_bytes,
-                              len(checksums), seq, pos, coding.raw_nbytes, coding.raw_seg)
+                              len(checksums), seq, pos, coding.raw_nbytes, coding.raw_seg, dcode, kv, hd)
     body += struct.pack(f"<{len(checksums)}Q", *checksums)
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     return body.ljust(hlen, b"\0")
+
+
+def _header_format(dcode: int, kv: int, head_dim: int) -> KVFormat | None:
+    if dcode == 0:
+        return None
+    if dcode not in DTYPE_NAMES:
+        raise ValueError(f"unknown KV dtype code {dcode}")
+    return KVFormat(DTYPE_NAMES[dcode], head_dim, kv)  # ValueError on a bad kv or head_dim
 
 
 def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
@@ -180,8 +191,9 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
         fixed = _FIXED_V3
         if len(raw) < fixed.size:
             raise ValueError("header truncated")
-        _m, _v, flags, hlen, key, nbytes, seg, nseg, seq, position, raw_n, raw_seg = fixed.unpack_from(raw)
-        raw_sizes = (flags, raw_n, raw_seg)
+        _m, _v, flags, hlen, key, nbytes, seg, nseg, seq, position, raw_n, raw_seg, dcode, kv, hd = \
+            fixed.unpack_from(raw)
+        raw_sizes = (flags, raw_n, raw_seg, _header_format(dcode, kv, hd))
     else:
         raise ValueError(f"unsupported version {version}")
     if hlen != round_up(fixed.size + 8 * nseg + 8) or len(raw) < hlen:
@@ -194,7 +206,8 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
         raise ValueError("header checksum mismatch")
     checksums = struct.unpack_from(f"<{nseg}Q", raw, fixed.size)
     pos = None if position == _NO_POSITION else position
-    coding = None if raw_sizes is None else Coding.parse(raw_sizes[0], raw_sizes[1], raw_sizes[2], nbytes, seg)
+    coding = None if raw_sizes is None else Coding.parse(raw_sizes[0], raw_sizes[1], raw_sizes[2], nbytes, seg,
+                                                         raw_sizes[3])
     return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos, coding), seq
 
 
@@ -308,13 +321,15 @@ class DiskTier(Tier):
         chunks are) and this machine's decode rates decide, within ``max_kl``."""
         size = 32 << 20
         probe = os.path.join(self._tmp, f".bandwidth.{os.getpid()}")
-        buf = self._pool.take(size)
+        buf = mmap.mmap(-1, size)  # not from the pool: it would keep 32 MiB for the tier's life
         try:
             view = memoryview(buf)
             fd = self._open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
                 _full_pwritev(fd, [view], 0)
                 os.fsync(fd)
+                if not self._direct:  # read the disk, not the page cache the write left
+                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
                 t0 = time.perf_counter()
                 _full_preadv(fd, view, 0)
                 read_Bps = size / max(time.perf_counter() - t0, 1e-6)
@@ -325,7 +340,7 @@ class DiskTier(Tier):
             log.warning("disk: codec auto could not measure %s (%s); storing chunks raw", self.root, exc)
             return "none"
         finally:
-            self._pool.give(buf)
+            buf.close()
             with contextlib.suppress(OSError):
                 os.unlink(probe)
         measured = measure()
@@ -655,6 +670,7 @@ class DiskTier(Tier):
         except CodecError as exc:
             return self._damaged(key, f"undecodable frame: {exc}")
         self.stats.hits += 1
+        self.stats.lossy_hits += 1
         self.stats.bytes_read += length
         return got
 
@@ -762,6 +778,12 @@ class DiskTier(Tier):
             if entry is None:
                 return None
             return entry.coding.raw_seg if entry.coding else entry.segment_bytes
+
+    def format_of(self, key: ChunkKey) -> KVFormat | None:
+        """The KV format a compressed entry records (None: raw, absent, or not KV)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.coding.fmt if entry is not None and entry.coding is not None else None
 
     def codec_of(self, key: ChunkKey) -> str | None:
         """The codec a committed entry is stored with (``"none"``: raw), None if absent."""

@@ -348,7 +348,7 @@ class MooncakeTier(RemoteTier):
         try:
             header = ObjectHeader.decode(obj, key)
         except CorruptObject as exc:
-            return self._damaged(key, str(exc))
+            return self._refused(key, exc)
         if len(obj) != header.object_bytes:
             return self._damaged(key, f"object of {len(obj)} bytes, header says {header.object_bytes}")
         length = self._check_range(header.raw_nbytes, offset, length, out)
@@ -427,7 +427,7 @@ class MooncakeTier(RemoteTier):
                 return None
             header = ObjectHeader.decode(head[:hlen], key)
         except CorruptObject as exc:
-            return self._damaged(key, str(exc)) is not None
+            return self._refused(key, exc) is not None
         if header.coding is not None:  # frames as large as the raw chunk: to be decoded
             return None
         if got != size or header.nbytes != n:

@@ -49,7 +49,7 @@ import xxhash
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import Tier, TierStats, as_byte_tensor, check_key
-from kvtier.tiers.codecs import CodecError, KVFormat
+from kvtier.tiers.codecs import CODEC_NAMES, CodecError, KVFormat
 from kvtier.tiers.coded import Coding, decode_range, encode_entry
 from kvtier.tiers.remote_config import MooncakeTierConfig, ValkeyTierConfig
 
@@ -68,6 +68,11 @@ FIXED_BYTES = _FIXED.size
 
 class CorruptObject(KVTierError, ValueError):
     """An object's bytes fail the header or checksum checks."""
+
+
+class UnknownFormat(CorruptObject):
+    """An object in a format this version of kvtier does not read (a newer version, a codec it
+    does not know): a miss, but not damage -- it is left for the readers that know it."""
 
 
 def header_len(n_segments: int, coded: bool = False) -> int:
@@ -141,6 +146,8 @@ class ObjectHeader:
         coding, sums_at = None, FIXED_BYTES
         if version == VERSION_CODED:
             raw_nbytes, raw_seg = _CODED.unpack_from(raw, FIXED_BYTES)
+            if flags not in CODEC_NAMES:
+                raise UnknownFormat(f"unknown codec id {flags}")
             try:
                 coding = Coding.parse(flags, raw_nbytes, raw_seg, nbytes, seg)
             except ValueError as exc:
@@ -182,7 +189,7 @@ def peek_header_len(raw: bytes | memoryview) -> int:
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {bytes(magic)!r}")
     if version not in (VERSION, VERSION_CODED):
-        raise CorruptObject(f"unsupported version {version}")
+        raise UnknownFormat(f"unsupported version {version}")
     if hlen != header_len(nseg, version == VERSION_CODED):
         raise CorruptObject("header length mismatch")
     return hlen
@@ -449,6 +456,7 @@ class RemoteTier(Tier):
         if out is not None and got is not out:
             got = out.copy_(got)
         self.stats.hits += 1
+        self.stats.lossy_hits += 1
         self.stats.bytes_read += length
         return got
 
@@ -474,6 +482,15 @@ class RemoteTier(Tier):
         self.stats.hits += 1
         self.stats.bytes_read += length
         return out
+
+    def _refused(self, key: ChunkKey, exc: CorruptObject) -> None:
+        """A read whose object failed its checks: damage (dropped), or a format this version
+        does not read (a counted miss; the object stays for the readers that know it)."""
+        if not isinstance(exc, UnknownFormat):
+            return self._damaged(key, str(exc))
+        log.warning("%s: chunk %s is a miss: %s (left in place)", self.name, key.hex(), exc)
+        self.stats.misses += 1
+        return None
 
     def _damaged(self, key: ChunkKey, why: str, corrupt: bool = True) -> None:
         """A read found the object missing or damaged: a counted, logged miss; the object and

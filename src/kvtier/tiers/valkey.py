@@ -354,7 +354,7 @@ class ValkeyTier(RemoteTier):
         try:
             header = ObjectHeader.decode(raw, key)
         except CorruptObject as exc:
-            return self._damaged(key, str(exc))
+            return self._refused(key, exc)
         length = self._check_range(header.raw_nbytes, offset, length, out)
         want_lo, want_hi = header.span(offset, length)
         if whole and len(data) != header.nbytes:
