@@ -241,7 +241,7 @@ def test_write_through_puts_every_saved_chunk_on_ssd_at_once(layout, tmp_path):
         assert_kv_equal(store.load(hit).kv, kv, 3 * C)
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "attentionstore", "cost"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "attentionstore", "cost", "returns"])
 def test_every_live_policy_runs_the_store_story(layout, tmp_path, policy):
     a, b = list(range(3 * C)), list(range(1000, 1000 + 3 * C))
     kva, kvb = make_kv(layout, 3 * C, seed=1), make_kv(layout, 3 * C, seed=2)

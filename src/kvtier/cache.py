@@ -211,12 +211,20 @@ class ChunkCache:
         """The request is being served (before its lookup): the policies ``begin`` it. A request
         never announced with :meth:`queued` gets its number now. Requests are assumed to start
         roughly in arrival order: starting one also ends the look-ahead protection of those that
-        arrived before it. Returns its number, the ``use`` of its touches."""
+        arrived before it. What the DRAM policy then stages (conversations it predicts are
+        coming back, see :meth:`~kvtier.core.policies.base.EvictionPolicy.staging`) is
+        prefetched in the background, as a hint is. Returns its number, the ``use`` of its
+        touches."""
+        staged: list[Sequence[ChunkKey]] = []
         with self._section:
             seq, new = self._requests.started(request_id)
             if new:
-                self.placement.begin(seq, time.monotonic())
-            return seq
+                now = time.monotonic()
+                self.placement.begin(seq, now)
+                staged = self.placement.staging(now)
+        for keys in staged:  # outside the lock: prefetch takes it to queue the work
+            self.prefetch(keys, wait=False)
+        return seq
 
     def use_of(self, request_id: str | None) -> int | None:
         """The number of a queued or started request (None for an unknown one). Two dict reads,

@@ -27,7 +27,7 @@ def drain(policy) -> list[bytes]:
 
 
 def test_registry_lists_the_baselines_first_and_builds_every_policy_from_a_tier_context():
-    assert list(POLICIES) == ["lru", "fifo", "attentionstore", "cost", "optimal", "clairvoyant"]
+    assert list(POLICIES) == ["lru", "fifo", "attentionstore", "cost", "returns", "optimal", "clairvoyant"]
     ctx = TierContext(future={k(1): [3]})
     for name in POLICIES:
         assert len(make_policy(name, ctx)) == 0

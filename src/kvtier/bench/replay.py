@@ -9,6 +9,10 @@ in the background before use). The request then does what an engine does with th
 the live store's own :class:`~kvtier.core.placement.Placement` and policy objects, with a mover
 that counts chunks instead of copying bytes.
 
+After it, the sequences the DRAM policy stages (``staging``: conversations it predicts are
+coming back) are prefetched into DRAM the same way, at the request's start time: in the
+background while it is served, so after its own lookup and saves.
+
 Its prefill time is the recompute of the tokens after the loaded prefix (the
 :class:`~kvtier.core.cost_model.ComputeModel`, attention growing with position) plus the time to
 read each loaded chunk from its tier; TTFT is queueing plus prefill (decoding is not modelled:
@@ -124,6 +128,8 @@ class ReplayResult:
     turns (what a turn could reuse), the share found (AttentionStore's "cache hit rate")."""
     dram_share_of_hits: float = 0.0
     """Of the blocks hit, the share served from DRAM."""
+    staged_blocks: int = 0
+    """Blocks the policy's staging promoted into DRAM ahead of their requests."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -148,7 +154,7 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     announced = window_blocks = 0
     following = _next_in_session(requests)
     saved_for: dict[int, int] = {}  # request -> its history blocks saved by earlier turns
-    reusable = reused = 0
+    reusable = reused = staged = 0
     for seq, req in enumerate(requests):
         start = max(req.arrival_s, free[0])
         place.begin(seq, start)
@@ -181,6 +187,8 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
             if len(done) > req.input_length // c:
                 place.save(done)  # the reply's blocks: the store holds the whole turn now
             saved_for[nxt] = len(done)
+        for keys in place.staging(start):
+            staged += place.prefetch(keys)
         got = min(len(sources) * c, req.input_length)
         flops = compute.prefill_flops(got, req.input_length)
         full = compute.prefill_flops(0, req.input_length)
@@ -222,6 +230,7 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         hit_rate=(reused / reusable if reusable else 0.0) if any(r.session_id is not None for r in requests)
         else None,
         dram_share_of_hits=place.hits[0] / sum(place.hits) if sum(place.hits) else 0.0,
+        staged_blocks=staged,
     )
 
 

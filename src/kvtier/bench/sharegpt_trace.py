@@ -51,7 +51,14 @@ TokenCounter = Callable[[Sequence[str]], list[int]]
 
 APPROXIMATE = "approx"
 """The tokenizer name that asks for :func:`approximate_tokens` outright."""
-THINK_TIMES = ("exponential", "fixed")
+THINK_TIMES = ("exponential", "fixed", "per-session")
+PACE_SIGMA = 0.5
+"""``per-session`` think times: the sigma of the lognormal each session's own pace (mean gap) is
+drawn from, with mean ``think_s``: half the users take between 0.63x and 1.24x of it, one in
+twenty over 2.0x, one in twenty under 0.39x."""
+PACE_SHAPE = 4.0
+"""``per-session`` think times: the shape of the gamma a session's gaps are drawn from around its
+pace (coefficient of variation 1/sqrt(4) = 0.5: a user's gaps vary, less than users do)."""
 TOKENIZE_SESSIONS = 2048
 """Sessions read and tokenized together (one batch of texts per turn index)."""
 
@@ -64,7 +71,10 @@ class ShareGPTTraceConfig:
     session_rate: float = 1.0
     """New sessions per second (Poisson), as in the paper."""
     think: str = "exponential"
-    """How think times are drawn: ``exponential`` with mean ``think_s``, or ``fixed`` at it."""
+    """How think times are drawn: ``exponential`` with mean ``think_s``; ``fixed`` at it; or
+    ``per-session``: each session gets its own mean pace, lognormal with mean ``think_s``
+    and sigma :data:`PACE_SIGMA` (users differ), and its gaps are gamma of shape
+    :data:`PACE_SHAPE` around that pace (a user's think times vary around their own pace)."""
     think_s: float = 60.0
     """Seconds between a turn's arrival and the next turn of the same session."""
     max_turns: int | None = None
@@ -255,6 +265,17 @@ def _sessions(config: ShareGPTTraceConfig, count: TokenCounter) -> tuple[list[_S
     return sessions, dropped, skipped
 
 
+def _think_times(rng: np.random.Generator, config: ShareGPTTraceConfig, n: int) -> np.ndarray:
+    """The ``n`` gaps between one session's turns (see :attr:`ShareGPTTraceConfig.think`)."""
+    if config.think == "exponential":
+        return rng.exponential(config.think_s, n)
+    if config.think == "fixed":
+        return np.full(n, float(config.think_s))
+    sigma = PACE_SIGMA
+    pace = config.think_s * float(rng.lognormal(-sigma * sigma / 2, sigma))
+    return rng.gamma(PACE_SHAPE, pace / PACE_SHAPE, n)
+
+
 def sharegpt_sessions_trace(config: ShareGPTTraceConfig, out: TextIO, *,
                             count_tokens: TokenCounter | None = None) -> ShareGPTTraceStats:
     """Write the trace of ``config`` to ``out`` in timestamp order; its statistics.
@@ -273,8 +294,7 @@ def sharegpt_sessions_trace(config: ShareGPTTraceConfig, out: TextIO, *,
     events: list[tuple[float, int, int]] = []  # (arrival s, session, turn)
     for sid, (start, session) in enumerate(zip(arrivals.tolist(), sessions, strict=True)):
         n = len(session.turns)
-        thinks = (rng.exponential(config.think_s, n - 1) if config.think == "exponential"
-                  else np.full(n - 1, float(config.think_s)))
+        thinks = _think_times(rng, config, n - 1)
         times = np.concatenate(([start], start + np.cumsum(thinks))).tolist()
         events.extend((t, sid, k) for k, t in enumerate(times))
     events.sort()

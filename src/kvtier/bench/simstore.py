@@ -132,6 +132,9 @@ class SimStore:
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         self.placement.hint(seq, keys)
 
+    def staging(self, now: float) -> list[Sequence[ChunkKey]]:
+        return self.placement.staging(now)
+
     def prefetch(self, keys: Sequence[ChunkKey]) -> int:
         return self.placement.prefetch(keys)
 

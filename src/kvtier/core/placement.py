@@ -23,7 +23,8 @@ capacities. The same object, the same policies, the same rules:
   used by the store's load) promotes runs of consecutive chunks held in the same lower tier
   in one batch (``Mover.copy_many``: one round trip to the remote tier, not one per chunk);
 - scheduler hooks ``begin`` and ``hint`` reach every policy (see
-  :mod:`kvtier.core.policies.base`).
+  :mod:`kvtier.core.policies.base`); ``staging`` asks the DRAM policy what to prefetch ahead
+  of any request (the caller prefetches it: at once in the replay, in the background live).
 
 Concurrency: not thread-safe; the store calls it under its lock. A live mover may release that
 lock while it moves bytes, so every decision is checked again when its move returns: a victim
@@ -173,6 +174,11 @@ class Placement:
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         for policy in self.policies:
             policy.hint(seq, keys)
+
+    def staging(self, now: float) -> list[Sequence[ChunkKey]]:
+        """What the DRAM policy wants prefetched now, ahead of any request (after ``begin``);
+        nothing without a lower tier to bring it from."""
+        return self.policies[0].staging(now) if self.levels > 1 else []
 
     # -- bookkeeping --------------------------------------------------------------------------
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,

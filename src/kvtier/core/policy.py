@@ -16,6 +16,7 @@ from kvtier.core.policies.cost import CostPolicy
 from kvtier.core.policies.fifo import FIFOPolicy
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.optimal import OptimalPolicy
+from kvtier.core.policies.returns import ReturnsPolicy
 
 __all__ = [
     "LIVE_POLICIES",
@@ -28,6 +29,7 @@ __all__ = [
     "FutureUses",
     "LRUPolicy",
     "OptimalPolicy",
+    "ReturnsPolicy",
     "TierContext",
     "make_policy",
 ]
@@ -37,12 +39,13 @@ POLICIES: dict[str, Callable[[TierContext], EvictionPolicy]] = {
     "fifo": lambda context: FIFOPolicy(),
     "attentionstore": lambda context: AttentionStorePolicy(),
     "cost": CostPolicy,
+    "returns": ReturnsPolicy,
     "optimal": OptimalPolicy,
     "clairvoyant": ClairvoyantPolicy,
 }
 """Name -> factory taking the tier's context. Listed baselines first."""
 
-LIVE_POLICIES: tuple[str, ...] = ("lru", "fifo", "attentionstore", "cost")
+LIVE_POLICIES: tuple[str, ...] = ("lru", "fifo", "attentionstore", "cost", "returns")
 """Those a live store can run (``optimal`` needs the future)."""
 
 

@@ -27,7 +27,14 @@ Optional scheduler hooks (defaults do nothing), for policies that look at the re
   served at ``now`` seconds; it comes before that request's lookup;
 - ``hint(seq, keys)`` when request ``seq``, arrived but not yet served, is known to need ``keys``
   (prefix order). Only policies with ``lookahead > 0`` get hints: the scheduler announces up to
-  ``lookahead`` queued requests, and also prefetches their chunks into DRAM.
+  ``lookahead`` queued requests, and also prefetches their chunks into DRAM;
+- ``staging(now)``, asked of the DRAM tier's policy at each ``begin`` (with its ``now``), only
+  when there is a lower tier to bring chunks from: the sequences (prefix order) it wants in
+  DRAM now, ahead of any request for them (a conversation predicted to come back soon). The
+  store prefetches each as it prefetches a queued request's chunks, in the background (the
+  replay after the begun request's own lookup and saves, as a background prefetch would land);
+  that prefetch touches exactly those keys with no ``use`` of its own, so its touch belongs to
+  the request last begun, which does not use them.
 """
 
 from __future__ import annotations
@@ -109,3 +116,8 @@ class EvictionPolicy(ABC):
 
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         """Request ``seq``, queued, will need ``keys``; it leaves the queue at ``begin(seq)``."""
+
+    def staging(self, now: float) -> list[Sequence[ChunkKey]]:
+        """Sequences to prefetch into DRAM now (prefix order), ahead of any request for them;
+        asked of the DRAM tier's policy after each ``begin``. Default: none."""
+        return []

@@ -1,0 +1,231 @@
+"""The ``returns`` policy told as small stories: sessions found without ids, return times
+learned, the farthest return evicted, a session staged shortly before it comes back."""
+
+import pytest
+
+from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
+from kvtier.core.cost_model import ComputeModel
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies.base import TierContext
+from kvtier.core.policies.returns import ReturnsPolicy
+from kvtier.core.policy import LIVE_POLICIES, make_policy
+from kvtier.tiers.disk import header_len_for
+
+from ..conftest import make_kv
+
+
+def k(*name: int) -> bytes:
+    return bytes(name).ljust(16, b"\0")
+
+
+def seq(session: int, n: int) -> list[bytes]:
+    """The first ``n`` chunks of conversation ``session``."""
+    return [k(session, i) for i in range(n)]
+
+
+class Driver:
+    """Requests served one after the other: ``begin``, then the touch of the request's save
+    (a store inserts the chunks it saves, then touches the sequence)."""
+
+    def __init__(self, policy: ReturnsPolicy) -> None:
+        self.policy, self.seq = policy, 0
+
+    def serve(self, now: float, keys: list[bytes]) -> None:
+        self.begin(now)
+        for i, key in enumerate(keys):
+            self.policy.insert(key, i)
+        self.policy.touch(keys)
+
+    def begin(self, now: float) -> None:
+        self.policy.begin(self.seq, now)
+        self.seq += 1
+
+
+def drain(policy) -> list[bytes]:
+    order = []
+    while (v := policy.victim(lambda key: True)) is not None:
+        order.append(v)
+        policy.remove(v)
+    return order
+
+
+def test_returns_is_a_live_policy_built_from_the_registry():
+    assert "returns" in LIVE_POLICIES
+    assert isinstance(make_policy("returns"), ReturnsPolicy)
+
+
+def test_a_session_back_every_ten_seconds_is_kept_over_one_last_seen_long_ago():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    d.serve(1.0, seq(2, 3))  # B: seen once, long ago
+    for turn, t in enumerate((0.0, 10.0, 20.0, 30.0, 40.0)):  # A: a turn every 10 s, one more chunk each
+        d.serve(t + 2, seq(1, 2 + turn))
+    # A was used last; a policy ordering by predicted return alone would evict A (due at 52)
+    # before B (due 10 s after t=1). But B is overdue far past the gap learned: it is over.
+    order = drain(p)
+    assert order[:3] == list(reversed(seq(2, 3)))
+    assert order[3:] == list(reversed(seq(1, 6)))  # then A, its deepest chunk first
+
+
+def test_a_session_overdue_far_past_its_gap_goes_before_one_idle_longer_within_its_own():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    for t in (0.0, 100.0, 200.0):  # X: a turn every 100 s
+        d.serve(t, seq(1, 2))
+    for t in (220.0, 225.0, 230.0, 235.0):  # Y: a turn every 5 s
+        d.serve(t, seq(2, 2))
+    d.begin(260.0)  # X idle 60 s but due at ~280; Y idle 25 s, five of its gaps
+    assert drain(p) == [k(2, 1), k(2, 0), k(1, 1), k(1, 0)]  # LRU would evict X first
+
+
+def test_the_deepest_chunk_of_a_session_goes_first_and_a_chunk_the_latest_turn_dropped_before_it():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    first = [k(1, 0), k(1, 1), k(9, 9)]  # the last block is partial: the next prompt re-keys it
+    d.serve(0.0, first)
+    d.serve(10.0, [k(1, 0), k(1, 1), k(1, 2), k(1, 3)])
+    assert drain(p) == [k(9, 9), k(1, 3), k(1, 2), k(1, 1), k(1, 0)]
+
+
+def test_sessions_are_told_apart_without_ids_though_they_share_a_system_prompt():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    system = [k(0, 0), k(0, 1)]
+    alice = system + [k(1, 2), k(1, 3)]
+    bob = system + [k(2, 2), k(2, 3)]
+    d.serve(0.0, alice + [k(1, 99)])  # the partial last block: the next turn does not repeat it
+    d.serve(1.0, bob)
+    d.serve(10.0, alice + [k(1, 4), k(1, 5)])  # holds alice's deepest full key: her next turn
+    d.serve(13.0, bob + [k(2, 4)])
+    d.serve(20.0, alice + [k(1, 4), k(1, 5), k(1, 6)])
+    sessions = sorted(p._sessions.values(), key=lambda g: g.sid)
+    assert [(g.uses, g.gaps) for g in sessions] == [(3, 2), (2, 1)]
+    assert [round(g.gap_sum / g.gaps, 6) for g in sessions] == [10.0, 12.0]
+    # the system prompt belongs to neither: it is a group of its own, used by both
+    assert all(not p._meta[key].group.session for key in system)
+    assert p._meta[k(1, 2)].group is sessions[0] and p._meta[k(2, 2)].group is sessions[1]
+
+
+def regular_session_then_staged(p: ReturnsPolicy, d: Driver) -> None:
+    """A turn of conversation 1 every 10 s (t = 0 ... 30), its chunks then evicted to SSD."""
+    for turn, t in enumerate((0.0, 10.0, 20.0, 30.0)):
+        d.serve(t, seq(1, 2 + turn))
+    for key in seq(1, 5):
+        p.remove(key)
+
+
+def test_a_session_is_staged_shortly_before_its_predicted_return_and_only_once():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    regular_session_then_staged(p, d)
+    d.serve(32.0, seq(2, 6))
+    assert p.staging(32.0) == []  # due at 40: not yet within its lead (half its gap)
+    d.serve(36.0, seq(3, 6))  # a new conversation, just used: due later than conversation 1
+    assert [list(s) for s in p.staging(36.0)] == [seq(1, 5)]
+    for i, key in enumerate(seq(1, 5)):  # the store prefetches it: promoted, then touched
+        p.insert(key, i)
+    p.touch(seq(1, 5))
+    d.serve(37.0, seq(4, 2))
+    assert p.staging(37.0) == []  # not twice
+    d.begin(40.0)
+    p.touch(seq(1, 5))  # it comes back: its lookup hits, its save extends it
+    p.touch(seq(1, 6))
+    assert p._sessions[0].uses == 5 and p._sessions[0].gaps == 4  # the staging was no use
+
+
+def test_staging_never_evicts_a_session_due_sooner_than_the_one_staged():
+    p = ReturnsPolicy()
+    d = Driver(p)
+    for turn, t in enumerate((0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0)):
+        d.serve(t, seq(2 - turn % 2, 2 + turn // 2))  # 2 and 1 in turn, each every 10 s
+    for key in seq(1, 5):
+        p.remove(key)  # conversation 1 (due at 45) is on SSD; DRAM holds 2 (due at 40)
+    p.victim(lambda key: False)  # DRAM is full: it has had to evict
+    assert p.staging(40.5) == []  # staging 1 would evict 2, which is due sooner: 1 waits
+    d.serve(40.8, seq(3, 6))  # a new conversation, due after 1: staging 1 evicts it
+    assert [list(s) for s in p.staging(40.8)] == [seq(1, 5)]
+
+
+def test_a_slow_tier_admits_only_what_staging_will_bring_back():
+    compute = ComputeModel()
+    slow = TierContext(level=1, chunk_load_s=2 * compute.chunk_recompute_s(0, 512), compute=compute)
+    p = ReturnsPolicy(slow)
+    d = Driver(p)
+    for turn, t in enumerate((0.0, 10.0, 20.0, 30.0)):  # a fixed 10 s think time
+        d.serve(t, seq(1, 2 + turn))
+    for n, t in enumerate((31.0, 31.2, 34.2)):  # another comes back at random
+        d.serve(t, seq(2, 2 + n))
+    d.begin(34.5)
+    assert p.admit(k(1, 0), None)  # regular: it is staged into DRAM before its turn
+    assert not p.admit(k(2, 0), None)  # a hit on it from this tier would cost more than a miss
+    fast = ReturnsPolicy(TierContext(level=1, chunk_load_s=0.0))
+    assert fast.admit(k(2, 0), None)  # from a fast tier every hit saves
+
+
+def store_of(layout: KVLayout, host_chunks: int, disk_path) -> KVStore:
+    per = header_len_for(layout.num_layers) + layout.chunk_bytes
+    return KVStore(StoreConfig(model="tiny@1", layout=layout, policy="returns",
+                               host=HostTierConfig(host_chunks * layout.chunk_bytes),
+                               disk=DiskTierConfig(str(disk_path), 64 * per)))
+
+
+def test_the_live_store_runs_with_returns(layout, tmp_path):
+    c = layout.chunk_tokens
+    a, b = list(range(3 * c)), list(range(1000, 1000 + 3 * c))
+    kva, kvb = make_kv(layout, 3 * c, seed=1), make_kv(layout, 3 * c, seed=2)
+    with store_of(layout, host_chunks=3, disk_path=tmp_path) as store:
+        store.save(a, kva)
+        store.save(b, kvb)
+        for tokens, kv in ((a, kva), (b, kvb)):
+            hit = store.lookup(tokens)
+            loaded = store.load(hit)
+            assert loaded.tokens == hit.hit_tokens == 3 * c
+            for got, want in zip(loaded.kv, kv):
+                assert all(g.equal(w[:, : 3 * c]) for g, w in zip(got, want))
+        assert store.snapshot()["tiers"]["host"]["used_bytes"] <= 3 * layout.chunk_bytes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_back(
+        layout, tmp_path, monkeypatch):
+    import kvtier.cache as cache_module
+
+    clock = Clock()
+    monkeypatch.setattr(cache_module, "time", clock)  # the requests' start times, as begin sees them
+    c = layout.chunk_tokens
+    alice = list(range(2 * c))
+    with store_of(layout, host_chunks=4, disk_path=tmp_path) as store:
+        for turn in range(4):  # alice: a turn every 10 s, two more chunks each time
+            clock.now = 1000.0 + 10 * turn
+            tokens = alice + list(range(500, 500 + 2 * c * turn))
+            store.started(f"alice-{turn}")
+            store.lookup(tokens, request=f"alice-{turn}")
+            store.save(tokens, make_kv(layout, len(tokens)), request=f"alice-{turn}")
+            store.finished(f"alice-{turn}")
+        last = tokens
+        clock.now = 1032.0  # bob's long first turn pushes her out of DRAM
+        bob = list(range(3000, 3000 + 4 * c))
+        store.started("bob")
+        store.save(bob, make_kv(layout, len(bob), seed=9), request="bob")
+        assert store.lookup(last).tiers[:2] == ["disk", "disk"]
+        clock.now = 1036.0  # 4 s before she is due: the next request's start stages her
+        store.started("carol")
+        assert store.cache.flush(timeout=10)
+        assert store.lookup(last).tiers[:4] == ["host"] * 4  # as much as DRAM holds
+        assert store.snapshot()["prefetched"] >= 2
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_every_hook_is_safe_on_an_empty_policy(level):
+    p = ReturnsPolicy(TierContext(level=level))
+    p.begin(0, 0.0)
+    assert p.staging(0.0) == [] and p.victim(lambda key: True) is None and len(p) == 0
+    p.touch([k(1)], start=3)
+    p.remove(k(1))
