@@ -32,7 +32,7 @@ def _gone(ctx: click.Context, param: click.Parameter, value: object) -> None:
 @click.option("--disk-bytes", type=ByteSize(), default=None, help="SSD tier size, e.g. 500GiB.")
 @click.option("--disk-codec", type=click.Choice(["none", "fp8", "int8", "int4", "auto"]), default=None,
               help="Store SSD chunks compressed (lossy; default none: exact).")
-@click.option("--policy", default=None, help="Placement policy: lru, attentionstore, cost.")
+@click.option("--policy", default=None, help="Placement policy: lru, fifo, attentionstore, cost, returns.")
 @click.option("--tenant", default=None, help="Tenant of clients that name none.")
 @click.option("--write-through/--no-write-through", default=None,
               help="Also write every saved chunk to SSD (in the background).")

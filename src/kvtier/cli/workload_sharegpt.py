@@ -36,8 +36,9 @@ class CountOrNone(click.ParamType):
               help="Sessions (ShareGPT conversations) to write, or all.")
 @click.option("--session-rate", type=click.FloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="New sessions per second (Poisson).")
-@click.option("--think", type=click.Choice(["exponential", "fixed"]), default="exponential",
-              show_default=True, help="Think times between turns: exponential, or fixed.")
+@click.option("--think", type=click.Choice(["exponential", "fixed", "per-session"]), default="exponential",
+              show_default=True, help="Think times between turns: exponential, fixed, or per-session (each "
+                                      "session its own pace, lognormal around --think-s; gamma gaps around it).")
 @click.option("--think-s", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, help="Mean (or fixed) seconds between two turns of a session.")
 @click.option("--max-turns", type=CountOrNone("all"), default="all", show_default=True,
