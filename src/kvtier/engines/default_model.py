@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 BUILD_VERSION = 2
@@ -92,11 +93,20 @@ def default_model_dir(size: str = "tiny", home: str | os.PathLike[str] | None = 
     if size not in SIZES:
         raise ValueError(f"unknown default model size {size!r}; choose one of {sorted(SIZES)}")
     root = Path(home) / "models" if home is not None else models_home()
-    target = root / f"kvtier-llama-{size}-v{BUILD_VERSION}"
-    if (target / "config.json").exists():
+    return build_once(root / f"kvtier-llama-{size}-v{BUILD_VERSION}", "config.json",
+                      lambda path: _build(size, path))
+
+
+def build_once(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build`` (given an empty directory) unless its ``marker`` file is
+    already there: the build goes to a temporary directory beside it, renamed into place only
+    when complete, so a failed build leaves nothing behind and builds racing in several
+    threads or processes leave one whole directory."""
+    if (target / marker).exists():
         return target
+    root = target.parent
     with _build_lock:
-        if (target / "config.json").exists():
+        if (target / marker).exists():
             return target
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -104,11 +114,11 @@ def default_model_dir(size: str = "tiny", home: str | os.PathLike[str] | None = 
             raise ValueError(f"cannot create the model cache directory {root}: {exc}") from exc
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            _build(size, tmp)
+            build(tmp)
             try:
                 os.rename(tmp, target)
             except OSError:
-                if not (target / "config.json").exists():  # another process won the race
+                if not (target / marker).exists():  # another process won the race
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

