@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.policies.base import EvictionPolicy
+from kvtier.core.policies.lru import LRUPolicy
 
 
-class FIFOPolicy(EvictionPolicy):
+class FIFOPolicy(LRUPolicy):
     """Evicts the chunk that entered the tier first; a hit changes nothing.
 
     The order is the order of :meth:`insert` calls, with one tie-break: the chunks inserted
@@ -21,7 +20,7 @@ class FIFOPolicy(EvictionPolicy):
     """
 
     def __init__(self) -> None:
-        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+        super().__init__()  # its order, removal and victim; only insert and touch differ
         self._fresh: list[ChunkKey] = []
         """Inserted since the last touch."""
 
@@ -39,15 +38,3 @@ class FIFOPolicy(EvictionPolicy):
         for key in reversed(keys):
             if key in fresh and key in order:
                 order.move_to_end(key)
-
-    def remove(self, key: ChunkKey) -> None:
-        self._order.pop(key, None)
-
-    def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        for key in self._order:
-            if evictable(key):
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._order)
