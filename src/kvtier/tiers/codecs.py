@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.core.layout import DTYPE_BYTES
 from kvtier.errors import KVTierError
 
 CODECS = ("none", "fp8", "int8", "int4")
@@ -78,7 +79,7 @@ class KVFormat:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=DTYPES[self.dtype][1]).element_size()
+        return DTYPE_BYTES[self.dtype]
 
     @classmethod
     def of_layout(cls, layout: object) -> KVFormat | None:

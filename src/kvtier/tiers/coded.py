@@ -77,12 +77,12 @@ def encode_entry(codec: str, raw: torch.Tensor, segment_bytes: int | None,
                  fmt: KVFormat | None) -> tuple[torch.Tensor, Coding] | None:
     """The frames of a whole entry (``raw``: a flat CPU ``uint8`` tensor) and their coding, or
     None when the entry is to be stored raw (codec ``"none"``, no format, sizes or values a
-    codec refuses: logged at debug level)."""
+    codec refuses -- logged at debug level -- or frames no smaller than the raw bytes)."""
     if codec == "none" or fmt is None or raw.device.type != "cpu":
         return None
     n = raw.numel()
     seg = segment_bytes or n
-    if n == 0 or n % seg:
+    if n == 0 or not isinstance(seg, int) or seg <= 0 or n % seg:
         return None
     try:
         fsize = frame_bytes(codec, seg, fmt)
@@ -91,6 +91,8 @@ def encode_entry(codec: str, raw: torch.Tensor, segment_bytes: int | None,
             encode(codec, raw[i * seg : (i + 1) * seg], fmt, out=out[i * fsize : (i + 1) * fsize])
     except CodecError as exc:
         log.debug("entry stored raw: %s", exc)
+        return None
+    if out.numel() >= n:  # nothing saved (tiny rows: the scales outweigh the elements)
         return None
     return out, Coding(codec, n, seg, fsize, fmt)
 

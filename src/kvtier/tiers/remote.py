@@ -378,9 +378,8 @@ class RemoteTier(Tier):
         if not self._encodes(fmt):
             return Payload(src, segment_bytes)
         raw = src if src.device.type == "cpu" else src.cpu()
-        valid = segment_bytes is None or (isinstance(segment_bytes, int) and segment_bytes > 0)
-        coded = encode_entry(self.codec, raw, segment_bytes, fmt) if valid else None
-        if coded is None or coded[0].numel() >= raw.numel():  # refused, or nothing saved
+        coded = encode_entry(self.codec, raw, segment_bytes, fmt)
+        if coded is None:  # refused, or nothing saved
             return Payload(raw, segment_bytes)
         frames, coding = coded
         return Payload(frames, coding.frame, coding)
