@@ -34,6 +34,21 @@ def test_the_same_conversation_twice_hits_everything_but_the_partial_block():
     assert 0 < r.prefill_saved < 1 and r.ttft_p99_s >= r.ttft_p50_s > 0
 
 
+def test_layerwise_loading_overlaps_the_loads_with_the_new_tokens_compute():
+    trace = parse_trace([line(0, [1, 2, 3]), line(1000, [1, 2, 3, 4, 5])])
+    summed, overlapped = (ReplayConfig(dram_blocks=100, dram_read_GBps=0.5, layerwise=lw) for lw in (False, True))
+    c, layers = summed.compute, summed.layout.num_layers
+    work = c.prefill_flops(3 * 512, 5 * 512) / c.flops
+    load = 3 * summed.load_s(0)
+    assert load > work  # slow DRAM: the loads dominate, and the overlap hides the compute
+    base = (c.prefill_flops(0, 3 * 512) + c.prefill_flops(0, 5 * 512)) / c.flops
+    first = c.prefill_flops(0, 3 * 512) / c.flops
+    for config, second in ((summed, work + load), (overlapped, load + work / layers)):
+        r = replay(trace, config)
+        assert r.prefill_saved == pytest.approx(1 - (first + second) / base)
+        assert r.ttft_mean_s == pytest.approx((first + second) / 2)  # no queueing: TTFT is the service
+
+
 def test_a_tiny_dram_with_an_ssd_serves_from_ssd_and_counts_its_bytes():
     trace = parse_trace([line(0, [1, 2, 3]), line(1, [9, 8, 7]), line(2, [1, 2, 3])])
     config = ReplayConfig(dram_blocks=3, ssd_blocks=10)

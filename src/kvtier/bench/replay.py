@@ -66,6 +66,10 @@ class ReplayConfig:
     ratio`` blocks (``ssd_blocks`` counts raw blocks' worth of bytes)."""
     ssd_decode_GBps: float = math.inf
     """Raw GB/s the codec decodes at: an SSD hit reads ``ratio`` of the bytes, then decodes."""
+    layerwise: bool = False
+    """Layer-wise loading (kvtier's and AttentionStore's): layer ``l+1``'s chunks load while
+    layer ``l`` computes, so a request takes ``max(compute, load) + min(compute, load) /
+    layers`` instead of their sum."""
     save_replies: bool = True
     """On a trace that names sessions: after a turn, also save the blocks its reply completes
     (named by the session's next prompt), as a store behind an engine that saves generated
@@ -192,7 +196,9 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         got = min(len(sources) * c, req.input_length)
         flops = compute.prefill_flops(got, req.input_length)
         full = compute.prefill_flops(0, req.input_length)
-        service = flops / compute.flops + sum(load_s[lvl] for lvl in sources)
+        work, load = flops / compute.flops, sum(load_s[lvl] for lvl in sources)
+        service = (max(work, load) + min(work, load) / config.layout.num_layers) if config.layerwise \
+            else work + load
         heapq.heapreplace(free, start + service)
         ttft[seq] = start + service - req.arrival_s
         hit_blocks += len(sources)
