@@ -177,6 +177,8 @@ class _Chunk:
     position: int
     stamp: int
     """Its group's use count when the group last touched it."""
+    dead: bool = False
+    """Superseded in its session (see ``_supersede``) and not touched since."""
 
 
 @dataclass(slots=True)
@@ -458,7 +460,7 @@ class ReturnsPolicy(EvictionPolicy):
             meta = self._meta.get(key)
             if meta is not None and not meta.group.forgotten:
                 self._use(meta.group, epoch, now)
-                meta.stamp = meta.group.uses
+                meta.stamp, meta.dead = meta.group.uses, False
                 self._requeue_chunk(key)
 
     def _claim(self, g: _Group, epoch: int, now: float, keys: Sequence[ChunkKey]) -> None:
@@ -553,12 +555,34 @@ class ReturnsPolicy(EvictionPolicy):
                     if owner.session:  # a second session: the chunk becomes a group of its own
                         meta.group = owner = _Group(session=False, depth=pos, last=owner.last, uses=1)
                     self._use(owner, epoch, now)
-                meta.position, meta.stamp = pos, owner.uses
+                meta.position, meta.stamp, meta.dead = pos, owner.uses, False
                 metas.move_to_end(key)
             self._requeue_chunk(key)
+        self._supersede(g, keys)
         self._remember(g, keys)
         while len(metas) > MAX_CHUNKS + len(self._resident):
             metas.popitem(last=False)
+
+    def _supersede(self, g: _Group, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` extends session ``g`` past the deepest chunk of its previous sequence: that
+        chunk, re-keyed at its position (the partial last block that the reply or the next
+        prompt completes), is dead for ``g`` and goes with the orphans, first out, and no lower
+        tier admits it. Only when the rest of the previous sequence is a prefix of ``keys`` and
+        ``keys`` is longer (a next turn carries the reply: a sequence of the same length that
+        differs only at its end may be a sibling sharing the prefix, whose chunk is live), and
+        only a chunk ``g`` owns alone. Its metadata stays: a later touch (the same prompt again)
+        ranks it back in its group."""
+        old = g.keys
+        n = len(old)
+        if n == 0 or len(keys) <= n or keys[n - 1] == old[-1] or tuple(keys[: n - 1]) != old[:-1]:
+            return
+        key = old[-1]
+        meta = self._meta.get(key)
+        if meta is None or meta.group is not g or meta.position != n - 1:
+            return
+        meta.dead = True
+        if key in self._resident:
+            self._place(key, None)
 
     def _known(self, g: _Group | None, keys: Sequence[ChunkKey], epoch: int, now: float) -> None:
         """A touch of a sequence all known that extends no session (``g``: the session it
@@ -654,6 +678,8 @@ class ReturnsPolicy(EvictionPolicy):
         if self._ctx.level == 0:
             return True
         meta = self._meta.get(key)
+        if meta is not None and meta.dead:
+            return False  # superseded: no turn will read it
         at = position if position is not None else meta.position if meta is not None else 0
         if self._ctx.miss_saving_s(at) > 0:
             return True
