@@ -3,6 +3,8 @@ models and capacities, and the rows (on a small generated trace, not the paper's
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtier.bench import paper
@@ -11,6 +13,10 @@ from kvtier.bench.workload import WorkloadConfig, generate
 
 
 def sessions_trace():
+    return parse_trace(sessions_lines())
+
+
+def sessions_lines() -> list[str]:
     import io
     import json
 
@@ -26,7 +32,7 @@ def sessions_trace():
         last[sid] = ids[-2] if len(ids) > 1 else ids[-1]
         obj["session_id"] = sid
         lines.append(json.dumps(obj))
-    return parse_trace(lines)
+    return lines
 
 
 def test_the_papers_models_have_the_kv_sizes_it_states():
@@ -48,15 +54,147 @@ def test_retiming_keeps_each_sessions_order_and_first_arrival():
         else:
             assert r.arrival_s >= seen[r.session_id]
         seen[r.session_id] = r.arrival_s
+    fixed = paper.retime(trace, 45.0, think="fixed")
+    gaps: dict[object, list[float]] = {}
+    prev: dict[object, float] = {}
+    for r in fixed.requests:
+        if r.session_id in prev:
+            gaps.setdefault(r.session_id, []).append(r.arrival_s - prev[r.session_id])
+        prev[r.session_id] = r.arrival_s
+    assert gaps and all(g == pytest.approx(45.0) for gs in gaps.values() for g in gs)
+    with pytest.raises(ValueError, match="think must be one of"):
+        paper.retime(trace, 45.0, think="pareto")
     with pytest.raises(ValueError, match="names sessions"):
         paper.retime(parse_trace(['{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}']), 60)
 
 
-def test_rows_carry_the_papers_figures_beside_kvtiers():
-    rows = paper.rows(sessions_trace(), 60.0, models=("llama-2-13b",), policies=("lru", "attentionstore"))
-    assert len(rows) == 4
-    by = {(r.policy, r.dram_only): r for r in rows}
-    assert by[("attentionstore", False)].paper_hit_rate == 0.86
-    assert by[("lru", False)].paper_hit_rate == 0.58
-    assert by[("attentionstore", True)].paper_hit_rate == 0.034
+def test_rows_carry_the_papers_figures_beside_kvtiers_at_its_capacities_only():
+    rows = paper.rows(sessions_trace(), 0.01, models=("llama-2-13b",), policies=("lru", "attentionstore"))
+    assert len(rows) == 8  # two capacities, two tier setups, two policies
+    by = {(r.policy, r.dram_only, r.capacity): r for r in rows}
+    assert by[("attentionstore", False, 1.0)].paper_hit_rate == 0.86
+    assert by[("lru", False, 1.0)].paper_hit_rate == 0.58
+    assert by[("lru", False, 1.0)].paper_dram_share == 0.01
+    assert by[("attentionstore", True, 1.0)].paper_hit_rate == 0.034
+    assert by[("attentionstore", False, 0.25)].paper_hit_rate is None
     assert all(0.0 <= r.hit_rate <= 1.0 for r in rows)
+    full, quarter = by[("lru", False, 1.0)], by[("lru", False, 0.25)]
+    block = paper.MODELS["llama-2-13b"].layout.chunk_bytes
+    assert full.dram_bytes == int(paper.DRAM_BYTES * 0.01 // block) * block
+    assert full.ssd_bytes == int(paper.SSD_BYTES * 0.01 // block) * block
+    assert quarter.ssd_bytes == int(paper.SSD_BYTES * 0.0025 // block) * block
+    assert by[("lru", True, 1.0)].ssd_bytes == 0
+
+
+def test_unlimited_finds_every_saved_block_and_bounds_the_policies():
+    rows = paper.rows(sessions_trace(), 0.002, models=("llama-65b",), policies=("fifo", "lru", "unlimited"),
+                      capacities=(1.0,))
+    by = {(r.policy, r.dram_only): r for r in rows}
+    assert by[("unlimited", False)].hit_rate == pytest.approx(1.0)
+    assert by[("unlimited", False)].dram_bytes is None  # no capacity: none stated
+    assert by[("unlimited", True)].hit_rate == by[("unlimited", False)].hit_rate
+    assert by[("lru", True)].hit_rate < by[("lru", False)].hit_rate < 1.0  # the capacities bind
+    for r in rows:
+        assert r.hit_rate <= by[("unlimited", r.dram_only)].hit_rate + 1e-12
+        assert r.prefill_saved <= by[("unlimited", r.dram_only)].prefill_saved + 1e-12
+
+
+def test_calibration_finds_the_scale_that_hits_the_published_rate():
+    trace = sessions_trace()
+    seen = []
+    cal = paper.calibrate(trace, rounds=14, progress=lambda s, h: seen.append((s, h)))
+    assert len(seen) == 15 and 1e-3 < cal.scale < 1.0 and seen[-1] == (cal.scale, cal.hit_rate)
+    name, policy, dram_only, target = paper.CALIBRATE_ON
+    got = paper.replay(paper.retime(trace, paper.THINK_S),
+                       paper.config_for(paper.MODELS[name], policy, dram_only, cal.scale)).hit_rate
+    assert got == cal.hit_rate == pytest.approx(target, abs=0.01) and cal.reached
+    far = paper.calibrate(trace, rounds=4, lo=1e-3, hi=2e-3)  # too little capacity for 86%
+    assert not far.reached and far.hit_rate < target - 0.1
+    with pytest.raises(ValueError, match="lo < hi"):
+        paper.calibrate(trace, lo=1.0, hi=0.5)
+
+
+def test_gains_compare_prefill_saved_per_setup():
+    rows = paper.rows(sessions_trace(), 0.01, models=("llama-2-13b",), policies=("attentionstore", "returns"),
+                      capacities=(1.0,))
+    found = {(m, d, c): g for m, d, c, g in paper.gains(rows, "returns")}
+    assert set(found) == {("llama-2-13b", False, 1.0), ("llama-2-13b", True, 1.0)}
+    by = {(r.policy, r.dram_only): r for r in rows}
+    base = by[("attentionstore", False)].prefill_saved
+    assert base > 0
+    assert found[("llama-2-13b", False, 1.0)] == pytest.approx(by[("returns", False)].prefill_saved / base)
+    for base_saved in (-0.5, 0.0):  # no ratio means anything against a baseline that saved nothing
+        lost = [dataclasses.replace(by[("attentionstore", True)], prefill_saved=base_saved), by[("returns", True)]]
+        assert paper.gains(lost, "returns") == [("llama-2-13b", True, 1.0, None)]
+
+
+def test_config_for_refuses_a_bad_scale():
+    with pytest.raises(ValueError, match="capacity scale"):
+        paper.config_for(paper.MODELS["llama-2-13b"], "lru", scale=0.0)
+
+
+def write_sessions(tmp_path) -> str:
+    path = tmp_path / "sessions.jsonl"
+    path.write_text("\n".join(sessions_lines()) + "\n")
+    return str(path)
+
+
+def test_the_cli_prints_the_papers_figures_beside_kvtiers(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    path = write_sessions(tmp_path)
+    res = CliRunner().invoke(main, ["replay", path, "--paper", "attentionstore", "--models", "llama-2-13b",
+                                    "--capacity-scale", "0.01", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    policies = [*paper.POLICIES, *paper.BOUNDS]
+    assert len(out) == 2 * 2 * len(policies)  # capacities x tier setups x policies
+    assert {o["policy"] for o in out} == set(policies)
+    for o in out:
+        assert {"model", "policy", "dram_only", "hit_rate", "dram_share_of_hits", "prefill_saved",
+                "paper_hit_rate", "capacity_scale"} <= set(o)
+        assert o["capacity_scale"] == pytest.approx(0.01 * o["capacity"])
+    headline = next(o for o in out if o["policy"] == "attentionstore" and not o["dram_only"] and o["capacity"] == 1)
+    assert headline["paper_hit_rate"] == 0.86 and headline["model"] == "llama-2-13b"
+
+    res = CliRunner(env={"COLUMNS": "250"}).invoke(main, ["replay", path, "--paper", "attentionstore", "--models", "falcon-40b",
+                                    "--policy", "lru,attentionstore", "--ssd-gbps", "10"])
+    assert res.exit_code == 0, res.output
+    assert "calibrating the capacity scale on llama-2-13b" in res.stderr
+    assert "AttentionStore (ATC '24) beside kvtier" in res.stdout and "falcon-40b" in res.stdout
+    assert "SSD 10 GB/s" in res.stdout and "of 2 published hit rates (besides the one fitted)" in res.stdout
+    assert "(fitted)" not in res.stdout  # the fitted figure is the 13B model's, not run here
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--paper", "attentionstore", "--dram-blocks", "10"], "drop --dram-blocks"),
+    (["--paper", "attentionstore", "--sweep"], "drop --sweep"),
+    (["--paper", "attentionstore", "--plot", "x.png"], "drop --plot"),
+    (["--paper", "attentionstore", "--models", "gpt-5"], "unknown model 'gpt-5'"),
+    (["--paper", "attentionstore", "--policy", "mru"], "unknown policy 'mru'"),
+    (["--think-s", "30"], "--think-s applies only with --paper"),
+    (["--think", "fixed"], "--think applies only with --paper"),
+    (["--capacity-scale", "0.1"], "--capacity-scale applies only with --paper"),
+])
+def test_the_cli_refuses_what_the_paper_replay_cannot_take(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    res = CliRunner().invoke(main, ["replay", write_sessions(tmp_path), *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_the_cli_refuses_a_trace_without_sessions(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtier.cli import main
+
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]}\n')
+    res = CliRunner().invoke(main, ["replay", str(path), "--paper", "attentionstore"])
+    assert res.exit_code == 2 and "names no sessions" in res.output

@@ -1,27 +1,33 @@
 """AttentionStore's evaluation (Gao et al., USENIX ATC '24, "Cost-Efficient Large Language Model
-Serving for Multi-turn Conversations with CachedAttention"), replayed on real ShareGPT sessions.
+Serving for Multi-turn Conversations with CachedAttention"), replayed on real ShareGPT sessions:
+``kvtier replay TRACE --paper attentionstore``.
 
 The paper's setup: ShareGPT conversations (9K sessions, about 5.75 turns each), new sessions
-arriving as a Poisson process at 1 a second, 128 GB of DRAM and 10 TB of SSD per server, four
-models whose KV takes 0.78 MB (LLaMA-2-13B), 2.5 MB (LLaMA-65B), 0.31 MB (LLaMA-2-70B) and
-0.12 MB (Falcon-40B) a token. Its published hit rates are :data:`PAPER_HIT_RATES` (DRAM and SSD),
-:data:`PAPER_DRAM_ONLY` (DRAM only) and :data:`PAPER_POLICIES` (13B, by policy).
-
-What the paper leaves out is the **think time** between a reply and the user's next turn; it
-decides how many conversations are alive at once, hence every hit rate. It is calibrated once,
-on one published figure (:data:`CALIBRATE_ON`: the 13B model with DRAM only under
-AttentionStore's policy, 3.4%), by bisection over an exponential think time's mean; every other
-figure is then predicted with that one value.
-
-**Not finished, not yet behind ``kvtier replay --paper``.** On the packaged ShareGPT
-conversations neither anchor is reachable by the think time: they are shorter than the paper's
-(31% pass 2K tokens against its 84%), so 10 TB holds nearly every live session whatever the think
-time (13B, DRAM and SSD: 0.99-1.0 from 140 s to 1e6 s), and DRAM alone stays at 0.14-0.15 (as the
-think time grows the trace thins out until the longest sessions, which dominate a block-weighted
-hit rate, have DRAM to themselves). A next step must scale the capacities to the dataset's
-footprint, weight the hit rate per turn, or calibrate the session length instead. A hit rate here is AttentionStore's: of the KV a
-session's earlier turns saved (prompts and replies), the share its next turn finds
+arriving as a Poisson process at 1 a second, one server (four A100s) with 128 GB of DRAM and
+10 TB of SSD, four models whose KV takes 0.78 MB (LLaMA-2-13B), 2.5 MB (LLaMA-65B), 0.31 MB
+(LLaMA-2-70B) and 0.12 MB (Falcon-40B) a token. Its published hit rates are
+:data:`PAPER_HIT_RATES` (DRAM and SSD), :data:`PAPER_DRAM_ONLY` (DRAM only) and
+:data:`PAPER_POLICIES` (13B, by policy). A hit rate here is the paper's: of the KV a session's
+earlier turns saved (prompts and replies), the share its next turn finds
 (:attr:`kvtier.bench.replay.ReplayResult.hit_rate`).
+
+What one parameter does the replay calibrate? Not the think time: on these sessions a hit rate
+barely moves with it (13B at the paper's own capacities, DRAM and SSD: 0.997-1.0 from a 60 s
+to a 60,000 s mean; DRAM only 0.14-0.16), because the replay's placement sees only the order of
+requests, and once think times pass the 1 s between new sessions the interleaving of sessions
+stops changing (its *shape* does matter: ``think="fixed"`` orders returns differently). What
+decides every hit rate is how much of the live sessions' KV the tiers hold, and the packaged
+ShareGPT sessions hold far less KV than the paper's (a mean final context of 2.6K tokens; 31%
+pass 2K tokens): at the paper's capacities every policy would hit nearly all of it. So the
+replay calibrates the **capacity scale** -- the paper's DRAM and SSD times one factor, the ratio
+of this dataset's KV footprint to the paper's -- once, by bisection, on one published figure
+(:data:`CALIBRATE_ON`: the 13B model with DRAM and SSD under AttentionStore's policy, 86%),
+and predicts every other figure with it. The think time stays a stated parameter
+(exponential, mean :data:`THINK_S`), as do the two the paper does not give either: the SSD's
+read bandwidth (:data:`SSD_GBPS`) and the serving load (one prefill server; decoding is not
+modelled). Loads overlap compute layer by layer, as in AttentionStore and kvtier. What the
+replay reproduces and what it does not, with the reasons, is in the README ("AttentionStore's
+evaluation on real ShareGPT sessions").
 """
 
 from __future__ import annotations
@@ -44,6 +50,15 @@ SESSIONS = 9000
 SESSION_RATE = 1.0
 GPU_FLOPS = 4 * 312e12 * 0.5
 """Four A100s (the paper's server) at half their peak bf16 rate during prefill."""
+THINK_S = 60.0
+"""Mean think time (exponential) between a reply and the session's next turn: not in the paper,
+and the hit rates hardly depend on it (see the module's text)."""
+DRAM_GBPS = 80.0
+"""DRAM -> accelerator bandwidth, GB/s: four A100s, each loading its share over its own PCIe 4.0
+x16 link at about 20 GB/s."""
+SSD_GBPS = 20.0
+"""SSD read bandwidth, GB/s: not in the paper; four NVMe drives of 5 GB/s behind its 10 TB. At
+this rate a 13B block (400 MB) loads in about the time its recompute takes (20 vs 21 ms)."""
 
 
 @dataclass(frozen=True)
@@ -77,17 +92,30 @@ PAPER_POLICIES = {"attentionstore": 0.86, "lru": 0.58, "fifo": 0.48}
 """LLaMA-2-13B, 128 GB DRAM and 10 TB SSD, by policy."""
 PAPER_DRAM_SHARE = {"attentionstore": 0.996, "lru": 0.01, "fifo": 0.01}
 """Share of hits served from DRAM: AttentionStore's over 99.6%, LRU's and FIFO's under 1%."""
-CALIBRATE_ON = ("llama-2-13b", "attentionstore", True, 0.034)
-"""(model, policy, DRAM only, the published hit rate) the think time is fitted to."""
-POLICIES = ("fifo", "lru", "attentionstore", "cost")
+CALIBRATE_ON = ("llama-2-13b", "attentionstore", False, 0.86)
+"""(model, policy, DRAM only, the published hit rate) the capacity scale is fitted to."""
+POLICIES = ("fifo", "lru", "attentionstore", "cost", "returns")
+BOUNDS = ("optimal", "unlimited")
+"""References: ``optimal``, Belady's eviction knowing the future at the same capacities (most
+block hits; not a bound on prefill saved), and ``unlimited``, every block kept (the bound: no
+capacity or policy finds more)."""
+CAPACITIES = (1.0, 0.25)
+"""The paper's capacities (after calibration) and a quarter of them."""
 
 
-def retime(trace: Trace, think_mean_s: float, seed: int = 0) -> Trace:
+THINK_KINDS = ("exponential", "fixed")
+
+
+def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "exponential") -> Trace:
     """``trace`` (a sessions trace: every request names its session) with each session's later
-    turns re-timed: the first keeps its arrival, each next one comes an exponential think time
-    of mean ``think_mean_s`` after the one before. ValueError on a trace without sessions."""
+    turns re-timed: the first keeps its arrival, each next one comes a think time after the one
+    before: exponential of mean ``think_mean_s`` (memoryless: nothing tells when a session comes
+    back), or ``fixed`` at it. ValueError on a trace without sessions."""
     if not think_mean_s > 0:
         raise ValueError(f"think time must be positive, got {think_mean_s!r}")
+    if think not in THINK_KINDS:
+        raise ValueError(f"think must be one of {THINK_KINDS}, got {think!r}")
+    fixed = think == "fixed"
     rng = np.random.default_rng(seed)
     last: dict[object, float] = {}
     timed: list[tuple[float, int, Request]] = []
@@ -96,38 +124,68 @@ def retime(trace: Trace, think_mean_s: float, seed: int = 0) -> Trace:
             raise ValueError("the paper's replay needs a trace that names sessions "
                              "(kvtier bench workload-sharegpt writes one)")
         sid = req.session_id
-        at = req.arrival_s if sid not in last else last[sid] + float(rng.exponential(think_mean_s))
+        at = req.arrival_s if sid not in last else last[sid] + (
+            think_mean_s if fixed else float(rng.exponential(think_mean_s)))
         last[sid] = at
         timed.append((at, i, dataclasses.replace(req, arrival_s=at)))
     timed.sort(key=lambda t: (t[0], t[1]))
-    return Trace([r for _, _, r in timed], trace.unique_blocks, f"{trace.name} think {think_mean_s:.0f}s")
+    return Trace([r for _, _, r in timed], trace.unique_blocks, f"{trace.name} think {think} {think_mean_s:g}s")
 
 
 def config_for(model: PaperModel, policy: str, dram_only: bool = False, scale: float = 1.0,
-               ssd_read_GBps: float = 5.0) -> ReplayConfig:
-    """The paper's server for ``model`` (capacities times ``scale``)."""
+               ssd_read_GBps: float = SSD_GBPS, dram_read_GBps: float = DRAM_GBPS) -> ReplayConfig:
+    """The paper's server for ``model``, capacities times ``scale``: one prefill instance,
+    layer-wise loading. ``policy`` ``unlimited`` is LRU with room for everything."""
+    if not scale > 0:
+        raise ValueError(f"capacity scale must be positive, got {scale!r}")
     block = model.layout.chunk_bytes
-    return ReplayConfig(policy=policy, dram_blocks=max(1, int(DRAM_BYTES * scale // block)),
-                        ssd_blocks=0 if dram_only else int(SSD_BYTES * scale // block), layout=model.layout,
-                        compute=model.compute, ssd_read_GBps=ssd_read_GBps, dram_read_GBps=20.0)
+    dram, ssd = max(1, int(DRAM_BYTES * scale // block)), 0 if dram_only else int(SSD_BYTES * scale // block)
+    if policy == "unlimited":
+        policy, dram, ssd = "lru", 1 << 40, 0
+    return ReplayConfig(policy=policy, dram_blocks=dram, ssd_blocks=ssd, layout=model.layout,
+                        compute=model.compute, ssd_read_GBps=ssd_read_GBps, dram_read_GBps=dram_read_GBps,
+                        instances=1, layerwise=True)
 
 
-def calibrate(trace: Trace, lo_s: float = 10.0, hi_s: float = 1e6, rounds: int = 12,
-              seed: int = 0, progress: Callable[[float, float], None] | None = None) -> float:
-    """The think-time mean at which :data:`CALIBRATE_ON`'s replay hits its published rate
-    (bisection on a log scale: a longer think time keeps more sessions alive, so fewer hit)."""
+@dataclass(frozen=True)
+class Calibration:
+    scale: float
+    """The paper's capacities times this."""
+    hit_rate: float
+    """:data:`CALIBRATE_ON`'s replayed hit rate at ``scale``."""
+    reached: bool
+    """Whether that is within ``tolerance`` of the published figure (False: the target lies
+    outside the searched range, or the hit rate jumps past it)."""
+
+
+def calibrate(trace: Trace, think_mean_s: float = THINK_S, lo: float = 1e-3, hi: float = 1.0,
+              rounds: int = 10, seed: int = 0, ssd_read_GBps: float = SSD_GBPS,
+              dram_read_GBps: float = DRAM_GBPS, tolerance: float = 0.01, think: str = "exponential",
+              progress: Callable[[float, float], None] | None = None) -> Calibration:
+    """The capacity scale at which :data:`CALIBRATE_ON`'s replay hits its published rate
+    (bisection on a log scale between ``lo`` and ``hi``: more capacity, more hits), with the
+    hit rate replayed there and whether it is within ``tolerance`` of the target."""
+    if not 0 < lo < hi:
+        raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
     name, policy, dram_only, target = CALIBRATE_ON
-    config = config_for(MODELS[name], policy, dram_only)
-    for _ in range(rounds):
-        mid = math.sqrt(lo_s * hi_s)
-        got = replay(retime(trace, mid, seed), config).hit_rate or 0.0
+    timed = retime(trace, think_mean_s, seed, think)
+
+    def hit(scale: float) -> float:
+        got = replay(timed, config_for(MODELS[name], policy, dram_only, scale, ssd_read_GBps,
+                                       dram_read_GBps)).hit_rate or 0.0
         if progress is not None:
-            progress(mid, got)
-        if got > target:
-            lo_s = mid
+            progress(scale, got)
+        return got
+
+    for _ in range(rounds):
+        mid = math.sqrt(lo * hi)
+        if hit(mid) < target:
+            lo = mid
         else:
-            hi_s = mid
-    return math.sqrt(lo_s * hi_s)
+            hi = mid
+    scale = math.sqrt(lo * hi)
+    got = hit(scale)
+    return Calibration(scale, got, abs(got - target) <= tolerance)
 
 
 @dataclass(frozen=True)
@@ -135,44 +193,79 @@ class PaperRow:
     model: str
     policy: str
     dram_only: bool
+    capacity: float
+    """Of the paper's capacities after calibration: 1.0, or 0.25 for a quarter of them."""
+    dram_bytes: int | None
+    """None for ``unlimited``."""
+    ssd_bytes: int | None
     hit_rate: float
     dram_share_of_hits: float
     prefill_saved: float
+    ttft_mean_s: float
     paper_hit_rate: float | None
     paper_dram_share: float | None
-    capacity_scale: float = 1.0
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
-def _paper_figure(model: str, policy: str, dram_only: bool, scale: float) -> float | None:
-    if scale != 1.0:
-        return None
+def paper_figures(model: str, policy: str, dram_only: bool) -> tuple[float | None, float | None]:
+    """(hit rate, share of hits from DRAM) the paper publishes for this setup at its capacities."""
     if dram_only:
-        return PAPER_DRAM_ONLY[model] if policy == "attentionstore" else None
+        return (PAPER_DRAM_ONLY[model] if policy == "attentionstore" else None), None
     if model == "llama-2-13b" and policy in PAPER_POLICIES:
-        return PAPER_POLICIES[policy]
-    return PAPER_HIT_RATES[model] if policy == "attentionstore" else None
+        return PAPER_POLICIES[policy], PAPER_DRAM_SHARE[policy]
+    return (PAPER_HIT_RATES[model] if policy == "attentionstore" else None), None
 
 
-def rows(trace: Trace, think_mean_s: float, *, policies: tuple[str, ...] = POLICIES,
-         models: tuple[str, ...] = tuple(MODELS), scales: tuple[float, ...] = (1.0,), seed: int = 0,
+def rows(trace: Trace, scale: float, *, think_mean_s: float = THINK_S,
+         policies: tuple[str, ...] = POLICIES + BOUNDS, models: tuple[str, ...] = tuple(MODELS),
+         capacities: tuple[float, ...] = CAPACITIES, ssd_read_GBps: float = SSD_GBPS,
+         dram_read_GBps: float = DRAM_GBPS, seed: int = 0, think: str = "exponential",
          progress: Callable[[PaperRow], None] | None = None) -> list[PaperRow]:
-    """Every (model, policy, DRAM only or DRAM + SSD, capacity scale) replayed at one think time."""
-    timed = retime(trace, think_mean_s, seed)
+    """Every (capacity, model, DRAM and SSD or DRAM only, policy) replayed at capacity scale
+    ``scale`` (the calibrated one) times each of ``capacities``. The paper's figures go beside
+    the rows at capacity 1 only. ``unlimited`` is replayed once per model (no capacity
+    changes it)."""
+    for name in models:
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; the paper's models: {list(MODELS)}")
+    timed = retime(trace, think_mean_s, seed, think)
+    unlimited: dict[str, ReplayResult] = {}
     out: list[PaperRow] = []
-    for scale in scales:
+    for capacity in capacities:
         for name in models:
+            model = MODELS[name]
+            block = model.layout.chunk_bytes
             for dram_only in (False, True):
-                for policy in policies:
-                    result: ReplayResult = replay(timed, config_for(MODELS[name], policy, dram_only, scale))
-                    paper_share = PAPER_DRAM_SHARE.get(policy) if (
-                        name == "llama-2-13b" and not dram_only and scale == 1.0) else None
-                    row = PaperRow(name, policy, dram_only, result.hit_rate or 0.0, result.dram_share_of_hits,
-                                   result.prefill_saved, _paper_figure(name, policy, dram_only, scale),
-                                   paper_share, scale)
+                for policy in dict.fromkeys(policies):
+                    config = config_for(model, policy, dram_only, scale * capacity, ssd_read_GBps, dram_read_GBps)
+                    if policy == "unlimited":
+                        if name not in unlimited:
+                            unlimited[name] = replay(timed, config)
+                        result = unlimited[name]
+                        dram, ssd = None, None
+                    else:
+                        result = replay(timed, config)
+                        dram, ssd = config.dram_blocks * block, config.ssd_blocks * block
+                    hit, share = paper_figures(name, policy, dram_only) if capacity == 1.0 else (None, None)
+                    row = PaperRow(name, policy, dram_only, capacity, dram, ssd, result.hit_rate or 0.0,
+                                   result.dram_share_of_hits, result.prefill_saved, result.ttft_mean_s, hit, share)
                     out.append(row)
                     if progress is not None:
                         progress(row)
+    return out
+
+
+def gains(table: list[PaperRow], policy: str, over: str = "attentionstore") -> list[tuple[str, bool, float, float | None]]:
+    """(model, DRAM only, capacity, ``policy``'s prefill saved over ``over``'s) for every setup
+    both ran in; None where ``over`` saved nothing or lost time (no ratio means anything)."""
+    by = {(r.model, r.dram_only, r.capacity, r.policy): r for r in table}
+    out: list[tuple[str, bool, float, float | None]] = []
+    for (model, dram_only, capacity, name), row in by.items():
+        base = by.get((model, dram_only, capacity, over))
+        if name != policy or base is None:
+            continue
+        out.append((model, dram_only, capacity,
+                    row.prefill_saved / base.prefill_saved if base.prefill_saved > 0 else None))
     return out

@@ -38,8 +38,9 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
 @click.command("replay")
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.argument("more_policies", nargs=-1, metavar="")
-@click.option("--policy", "policies", multiple=True, default=("lru",), show_default=True,
-              help="Policy name(s): --policy lru cost optimal, or repeat --policy, or a,b,c.")
+@click.option("--policy", "policies", multiple=True,
+              help="Policy name(s): --policy lru cost optimal, or repeat --policy, or a,b,c "
+                   "[default: lru; with --paper fifo,lru,attentionstore,cost,returns,optimal,unlimited].")
 @click.option("--dram-blocks", type=click.IntRange(min=1), default=None,
               help="DRAM capacity in 512-token blocks [default: 10% of the trace's unique blocks].")
 @click.option("--ssd-blocks", type=click.IntRange(min=0), default=None,
@@ -56,10 +57,10 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
               show_default=True, help="Weights per token (non-embedding parameters).")
 @click.option("--tflops", type=click.FloatRange(min=0, min_open=True), default=400.0,
               show_default=True, help="Sustained prefill TFLOP/s of one instance.")
-@click.option("--dram-gbps", type=click.FloatRange(min=0, min_open=True), default=20.0,
-              show_default=True, help="DRAM -> accelerator read bandwidth, GB/s.")
-@click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True), default=5.0,
-              show_default=True, help="SSD read bandwidth, GB/s.")
+@click.option("--dram-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="DRAM -> accelerator read bandwidth, GB/s [default: 20; with --paper 80].")
+@click.option("--ssd-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="SSD read bandwidth, GB/s [default: 5; with --paper 20].")
 @click.option("--instances", type=click.IntRange(min=1), default=4, show_default=True,
               help="Prefill instances serving the queue.")
 @click.option("--ssd-codec", type=click.Choice(["none", "fp8", "int8", "int4"]), default="none",
@@ -71,6 +72,20 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
               help="Sweep DRAM capacity over --fractions of the trace's unique blocks.")
 @click.option("--fractions", default="0.01,0.02,0.05,0.1,0.2,0.3,0.5", show_default=True,
               help="DRAM capacities of --sweep, as fractions of the unique blocks.")
+@click.option("--paper", type=click.Choice(["attentionstore"]), default=None,
+              help="Reproduce a paper's evaluation on TRACE (a sessions trace from kvtier bench "
+                   "workload-sharegpt): its four models and capacities, its figures beside kvtier's. "
+                   "Of the model, capacity and hardware options above only --ssd-gbps and "
+                   "--dram-gbps apply.")
+@click.option("--think-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--paper: mean think time between turns, s (exponential) [default: 60].")
+@click.option("--think", "think_kind", type=click.Choice(["exponential", "fixed"]), default=None,
+              help="--paper: think times exponential (memoryless) or fixed at --think-s [default: exponential].")
+@click.option("--capacity-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--paper: the paper's capacities times this [default: calibrated on the "
+                   "13B model's 86% hit rate].")
+@click.option("--models", default=None,
+              help="--paper: models, a,b,c [default: llama-2-13b,llama-65b,llama-2-70b,falcon-40b].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per run.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Draw hit ratio against DRAM capacity, one line per policy, to this PNG.")
@@ -79,16 +94,38 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
                ssd_bytes: int | None, layers: int, kv_heads: int, head_dim: int, dtype: str,
                hidden: int, params: float, tflops: float, dram_gbps: float, ssd_gbps: float,
                instances: int, ssd_codec: str, decode_gbps: float | None, sweep: bool, fractions: str,
-               as_json: bool, plot_path: str | None) -> None:
+               paper: str | None, think_s: float | None, think_kind: str | None, capacity_scale: float | None,
+               models: str | None, as_json: bool, plot_path: str | None) -> None:
     """Replay a Mooncake-format TRACE through placement policies over DRAM (+ SSD)."""
+    names = [n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()]
+    if paper:
+        ctx = click.get_current_context()
+        given = [f"--{n.replace('_', '-')}" for n in (
+            "dram_blocks", "ssd_blocks", "dram_bytes", "ssd_bytes", "layers", "kv_heads", "head_dim", "dtype",
+            "hidden", "params", "tflops", "instances", "ssd_codec", "decode_gbps", "sweep",
+            "fractions", "plot_path")
+            if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--paper replays the paper's own models and capacities; drop "
+                                   f"{', '.join(g.replace('--plot-path', '--plot') for g in given)}")
+        from kvtier.cli.paper import paper_cmd
+
+        paper_cmd(trace, tuple(names), ssd_gbps, dram_gbps, think_s, think_kind, capacity_scale, models, as_json)
+        return
+    for flag, value in (("--think-s", think_s), ("--think", think_kind), ("--capacity-scale", capacity_scale),
+                        ("--models", models)):
+        if value is not None:
+            raise click.UsageError(f"{flag} applies only with --paper")
+    names = names or ["lru"]
+    names = list(dict.fromkeys(names))
+    ssd_gbps = 5.0 if ssd_gbps is None else ssd_gbps
+    dram_gbps = 20.0 if dram_gbps is None else dram_gbps
     from kvtier.bench.replay import ReplayConfig, replay
     from kvtier.bench.replay import plot as plot_replay
     from kvtier.bench.replay import sweep as sweep_replay
     from kvtier.bench.trace import TraceError, load_trace
     from kvtier.core.cost_model import ComputeModel
     from kvtier.core.layout import KVLayout
-
-    names = [n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()]
     try:
         layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                           chunk_tokens=512)

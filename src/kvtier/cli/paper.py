@@ -1,0 +1,108 @@
+"""``kvtier replay TRACE --paper attentionstore``: AttentionStore's evaluation beside kvtier's."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "all"
+    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 2**30:.1f} GiB"
+
+
+def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dram_gbps: float | None,
+              think_s: float | None, think_kind: str | None, capacity_scale: float | None, models: str | None,
+              as_json: bool) -> None:
+    from kvtier.bench import paper
+    from kvtier.bench.trace import TraceError, load_trace
+    from kvtier.core.policy import POLICIES
+
+    err = Console(stderr=True)
+    names = tuple(dict.fromkeys(policies)) or paper.POLICIES + paper.BOUNDS
+    unknown = [n for n in names if n not in POLICIES and n != "unlimited"]
+    if unknown:
+        raise click.UsageError(f"unknown policy {unknown[0]!r}; known: {[*POLICIES, 'unlimited']}")
+    chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else tuple(paper.MODELS)
+    bad = [m for m in chosen if m not in paper.MODELS]
+    if bad or not chosen:
+        raise click.UsageError(f"unknown model {bad[0] if bad else models!r}; the paper's models: "
+                               f"{', '.join(paper.MODELS)}")
+    think = paper.THINK_S if think_s is None else think_s
+    kind = think_kind or "exponential"
+    ssd = paper.SSD_GBPS if ssd_gbps is None else ssd_gbps
+    dram = paper.DRAM_GBPS if dram_gbps is None else dram_gbps
+    try:
+        tr = load_trace(trace)
+    except TraceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not any(r.session_id is not None for r in tr.requests):
+        raise click.UsageError(f"{trace} names no sessions: --paper needs a sessions trace "
+                               "(kvtier bench workload-sharegpt --out FILE writes one)")
+    try:
+        if capacity_scale is None:
+            name, policy, dram_only, target = paper.CALIBRATE_ON
+            err.print(f"calibrating the capacity scale on {name}, {policy}, "
+                      f"{'DRAM only' if dram_only else 'DRAM and SSD'}: the paper's {target:.0%}")
+            cal = paper.calibrate(tr, think, ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind,
+                                  progress=lambda s, h: err.print(f"  scale {s:.4f}: hit rate {h:.1%}"))
+            scale, calibrated = cal.scale, True
+            if not cal.reached:
+                err.print(f"[yellow]warning:[/] no capacity scale in (0.001, 1) gives {target:.0%} on this trace; "
+                          f"the closest, {cal.scale:.4f}, gives {cal.hit_rate:.1%}: the comparison below is "
+                          "not calibrated (give --capacity-scale to choose one)")
+        else:
+            scale, calibrated = capacity_scale, False
+        done = []
+
+        def progress(row: paper.PaperRow) -> None:
+            done.append(row)
+            err.print(f"  [{len(done)}] {row.model} x{row.capacity:g} "
+                      f"{'DRAM' if row.dram_only else 'DRAM+SSD'} {row.policy}: hit {row.hit_rate:.1%}, "
+                      f"prefill saved {row.prefill_saved:.1%}")
+
+        table = paper.rows(tr, scale, think_mean_s=think, policies=tuple(names), models=chosen,
+                           ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind, progress=progress)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps([{**r.as_dict(), "capacity_scale": scale * r.capacity, "calibrated": calibrated,
+                                "think": kind, "think_s": think, "ssd_gbps": ssd, "dram_gbps": dram} for r in table], indent=2))
+        return
+    fitted = paper.CALIBRATE_ON[:3] if calibrated else None
+    out = Console(width=max(Console().width, 150))
+    t = Table(title=f"AttentionStore (ATC '24) beside kvtier on {trace}: {len(tr.requests)} requests; "
+                    f"capacities x{scale:.4f} ({'calibrated' if calibrated else 'given'}), think {kind} {think:g} s, "
+                    f"SSD {ssd:g} GB/s, DRAM {dram:g} GB/s")
+    for col in ("model", "x", "DRAM", "SSD", "policy", "hit rate", "paper hit", "diff pts", "from DRAM",
+                "paper DRAM", "prefill saved", "TTFT s"):
+        t.add_column(col, justify="left" if col in ("model", "policy") else "right", no_wrap=True)
+    for r in table:
+        diff = "-" if r.paper_hit_rate is None else f"{100 * (r.hit_rate - r.paper_hit_rate):+.1f}"
+        if fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0:
+            diff += " (fitted)"
+        t.add_row(r.model, f"{r.capacity:g}", _bytes(r.dram_bytes),
+                  "-" if r.dram_only and r.policy != "unlimited" else _bytes(r.ssd_bytes), r.policy,
+                  _pct(r.hit_rate), _pct(r.paper_hit_rate), diff, _pct(r.dram_share_of_hits),
+                  _pct(r.paper_dram_share), _pct(r.prefill_saved), f"{r.ttft_mean_s:.3f}")
+    out.print(t)
+    compared = [r for r in table if r.paper_hit_rate is not None
+                and not (fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0)]
+    close = [r for r in compared if abs(r.hit_rate - r.paper_hit_rate) <= 0.05]  # type: ignore[operator]
+    if compared:
+        out.print(f"within 5 points of the paper: {len(close)} of {len(compared)} published hit rates"
+                  + (" (besides the one fitted)" if fitted else ""))
+    for policy in ("returns", "cost"):
+        found = paper.gains(table, policy)
+        if found:
+            out.print(f"{policy} / attentionstore, prefill saved: " + ", ".join(
+                f"{m} {'DRAM' if d else 'DRAM+SSD'} x{c:g} " + ("n/a" if g is None else f"{g:.2f}x")
+                for m, d, c, g in found))
