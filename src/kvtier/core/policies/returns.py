@@ -541,6 +541,7 @@ class ReturnsPolicy(EvictionPolicy):
             self._unclaim(claim[0])
         if self._scheduled:
             self._extended[epoch] = g
+        rekey = g.epoch == epoch  # the same request extends what it saved: a re-key, not a sibling
         self._use(g, epoch, now, len(keys) > 1)
         metas = self._meta
         for pos, key in enumerate(keys):
@@ -558,20 +559,21 @@ class ReturnsPolicy(EvictionPolicy):
                 meta.position, meta.stamp, meta.dead = pos, owner.uses, False
                 metas.move_to_end(key)
             self._requeue_chunk(key)
-        self._supersede(g, keys)
+        if rekey:
+            self._supersede(g, keys)
         self._remember(g, keys)
         while len(metas) > MAX_CHUNKS + len(self._resident):
             metas.popitem(last=False)
 
     def _supersede(self, g: _Group, keys: Sequence[ChunkKey]) -> None:
-        """``keys`` extends session ``g`` past the deepest chunk of its previous sequence: that
-        chunk, re-keyed at its position (the partial last block that the reply or the next
-        prompt completes), is dead for ``g`` and goes with the orphans, first out, and no lower
-        tier admits it. Only when the rest of the previous sequence is a prefix of ``keys`` and
-        ``keys`` is longer (a next turn carries the reply: a sequence of the same length that
-        differs only at its end may be a sibling sharing the prefix, whose chunk is live), and
-        only a chunk ``g`` owns alone. Its metadata stays: a later touch (the same prompt again)
-        ranks it back in its group."""
+        """``keys``, saved by the request that saved ``g``'s previous sequence, extends it past
+        its deepest chunk: that chunk, re-keyed at its position (the partial last block of the
+        prompt that the reply completes), is dead for ``g`` and goes with the orphans, first
+        out, and no lower tier admits it. Only within one request (a later request that matches
+        ``g`` by prefix may be another session sharing it, whose chunk at that position is
+        live), only when the rest of the previous sequence is a prefix of ``keys`` and ``keys``
+        is longer, and only a chunk ``g`` owns alone. Its metadata stays: a later touch (the
+        same prompt again, a regenerated reply) ranks it back in its group."""
         old = g.keys
         n = len(old)
         if n == 0 or len(keys) <= n or keys[n - 1] == old[-1] or tuple(keys[: n - 1]) != old[:-1]:
@@ -621,7 +623,7 @@ class ReturnsPolicy(EvictionPolicy):
         if slot is None:
             return
         meta = self._meta.get(key)
-        if meta is None or meta.group.forgotten:
+        if meta is None or meta.group.forgotten or meta.dead:
             if slot.group is not None or key not in self._orphans:
                 self._place(key, None)
         elif slot.group is not meta.group or slot.stamp != meta.stamp:
@@ -679,7 +681,7 @@ class ReturnsPolicy(EvictionPolicy):
             return True
         meta = self._meta.get(key)
         if meta is not None and meta.dead:
-            return False  # superseded: no turn will read it
+            return False  # superseded: only the same prompt again would read it
         at = position if position is not None else meta.position if meta is not None else 0
         if self._ctx.miss_saving_s(at) > 0:
             return True
