@@ -158,6 +158,7 @@ def test_the_cli_prints_the_papers_figures_beside_kvtiers(tmp_path):
         assert {"model", "policy", "dram_only", "hit_rate", "dram_share_of_hits", "prefill_saved",
                 "paper_hit_rate", "capacity_scale"} <= set(o)
         assert o["capacity_scale"] == pytest.approx(0.01 * o["capacity"])
+        assert o["calibrated"] is False and o["calibration_hit_rate"] is None  # a given scale
     headline = next(o for o in out if o["policy"] == "attentionstore" and not o["dram_only"] and o["capacity"] == 1)
     assert headline["paper_hit_rate"] == 0.86 and headline["model"] == "llama-2-13b"
 
@@ -166,8 +167,9 @@ def test_the_cli_prints_the_papers_figures_beside_kvtiers(tmp_path):
     assert res.exit_code == 0, res.output
     assert "calibrating the capacity scale on llama-2-13b" in res.stderr
     assert "AttentionStore (ATC '24) beside kvtier" in res.stdout and "falcon-40b" in res.stdout
-    assert "SSD 10 GB/s" in res.stdout and "of 2 published hit rates (besides the one fitted)" in res.stdout
+    assert "SSD 10 GB/s" in res.stdout and "of 2 published hit rates\n" in res.stdout
     assert "(fitted)" not in res.stdout  # the fitted figure is the 13B model's, not run here
+    assert "calibrated: capacity scale" in res.stderr and "--capacity-scale" in res.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -11,21 +11,17 @@ arriving as a Poisson process at 1 a second, one server (four A100s) with 128 GB
 earlier turns saved (prompts and replies), the share its next turn finds
 (:attr:`kvtier.bench.replay.ReplayResult.hit_rate`).
 
-What one parameter does the replay calibrate? Not the think time: on these sessions a hit rate
-barely moves with it (13B at the paper's own capacities, DRAM and SSD: 0.997-1.0 from a 60 s
-to a 60,000 s mean; DRAM only 0.14-0.16), because the replay's placement sees only the order of
-requests, and once think times pass the 1 s between new sessions the interleaving of sessions
-stops changing (its *shape* does matter: ``think="fixed"`` orders returns differently). What
-decides every hit rate is how much of the live sessions' KV the tiers hold, and the packaged
-ShareGPT sessions hold far less KV than the paper's (a mean final context of 2.6K tokens; 31%
-pass 2K tokens): at the paper's capacities every policy would hit nearly all of it. So the
-replay calibrates the **capacity scale** -- the paper's DRAM and SSD times one factor, the ratio
-of this dataset's KV footprint to the paper's -- once, by bisection, on one published figure
-(:data:`CALIBRATE_ON`: the 13B model with DRAM and SSD under AttentionStore's policy, 86%),
-and predicts every other figure with it. The think time stays a stated parameter
-(exponential, mean :data:`THINK_S`), as do the two the paper does not give either: the SSD's
-read bandwidth (:data:`SSD_GBPS`) and the serving load (one prefill server; decoding is not
-modelled). Loads overlap compute layer by layer, as in AttentionStore and kvtier. What the
+What one parameter does the replay calibrate? Not the think time: at the paper's own capacities
+the packaged ShareGPT sessions' KV fits whatever it is (13B, DRAM and SSD: 0.997-1.0 from a 60 s
+to a 60,000 s mean), because they hold far less KV than the paper's (a mean final context of
+2.6K tokens; 31% pass 2K tokens). So the replay calibrates the **capacity scale** -- the
+paper's DRAM and SSD times one factor, the ratio of this dataset's KV footprint to the paper's
+-- once, by bisection, on one published figure (:data:`CALIBRATE_ON`: the 13B model with DRAM
+and SSD under AttentionStore's policy, 86%), and predicts every other figure with it. The
+think time stays a stated parameter (exponential, mean :data:`THINK_S`; it trades off with the
+factor: at the fitted scale the 13B hit rate goes from 1.0 at a 10 s mean to 0.86 at 60 s and
+0.70 from 6,000 s on), as do the two the paper does not give either: the SSD's read bandwidth
+(:data:`SSD_GBPS`) and the serving load (one prefill server; decoding is not modelled). Loads overlap compute layer by layer, as in AttentionStore and kvtier. What the
 replay reproduces and what it does not, with the reasons, is in the README ("AttentionStore's
 evaluation on real ShareGPT sessions").
 """

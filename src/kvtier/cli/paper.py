@@ -54,13 +54,16 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
                       f"{'DRAM only' if dram_only else 'DRAM and SSD'}: the paper's {target:.0%}")
             cal = paper.calibrate(tr, think, ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind,
                                   progress=lambda s, h: err.print(f"  scale {s:.4f}: hit rate {h:.1%}"))
-            scale, calibrated = cal.scale, True
-            if not cal.reached:
-                err.print(f"[yellow]warning:[/] no capacity scale in (0.001, 1) gives {target:.0%} on this trace; "
-                          f"the closest, {cal.scale:.4f}, gives {cal.hit_rate:.1%}: the comparison below is "
-                          "not calibrated (give --capacity-scale to choose one)")
+            scale, calibrated, fit_hit = cal.scale, cal.reached, cal.hit_rate
+            if cal.reached:
+                err.print(f"calibrated: capacity scale {cal.scale:.4f} (hit rate {cal.hit_rate:.1%}); "
+                          f"--capacity-scale {cal.scale:.4f} skips this next time")
+            else:
+                err.print(f"[yellow]warning:[/] the bisection found no capacity scale in (0.001, 1) giving "
+                          f"{target:.0%} on this trace within a point (it ended at {cal.scale:.4f}: "
+                          f"{cal.hit_rate:.1%}): the comparison below is not calibrated")
         else:
-            scale, calibrated = capacity_scale, False
+            scale, calibrated, fit_hit = capacity_scale, False, None
         done = []
 
         def progress(row: paper.PaperRow) -> None:
@@ -75,12 +78,13 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
         raise click.UsageError(str(exc)) from exc
     if as_json:
         click.echo(json.dumps([{**r.as_dict(), "capacity_scale": scale * r.capacity, "calibrated": calibrated,
+                                "calibration_hit_rate": fit_hit,
                                 "think": kind, "think_s": think, "ssd_gbps": ssd, "dram_gbps": dram} for r in table], indent=2))
         return
     fitted = paper.CALIBRATE_ON[:3] if calibrated else None
     out = Console(width=max(Console().width, 150))
     t = Table(title=f"AttentionStore (ATC '24) beside kvtier on {trace}: {len(tr.requests)} requests; "
-                    f"capacities x{scale:.4f} ({'calibrated' if calibrated else 'given'}), think {kind} {think:g} s, "
+                    f"capacities x{scale:.4f} ({'calibrated' if calibrated else 'not calibrated' if fit_hit is not None else 'given'}), think {kind} {think:g} s, "
                     f"SSD {ssd:g} GB/s, DRAM {dram:g} GB/s")
     for col in ("model", "x", "DRAM", "SSD", "policy", "hit rate", "paper hit", "diff pts", "from DRAM",
                 "paper DRAM", "prefill saved", "TTFT s"):
@@ -97,9 +101,10 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
     compared = [r for r in table if r.paper_hit_rate is not None
                 and not (fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0)]
     close = [r for r in compared if abs(r.hit_rate - r.paper_hit_rate) <= 0.05]  # type: ignore[operator]
+    shown_fit = any(fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0 for r in table)
     if compared:
         out.print(f"within 5 points of the paper: {len(close)} of {len(compared)} published hit rates"
-                  + (" (besides the one fitted)" if fitted else ""))
+                  + (" (besides the one fitted)" if shown_fit else ""))
     for policy in ("returns", "cost"):
         found = paper.gains(table, policy)
         if found:
