@@ -4,7 +4,8 @@ process."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 from rich.console import Console
@@ -13,6 +14,8 @@ from rich.table import Table
 from kvtier.bench.io import RATIO_TARGET, STATISTICS, IOBenchConfig, IOBenchResult, run_io_bench
 from kvtier.bench.keys import KeysBenchConfig, KeysBenchResult, run_keys_bench
 from kvtier.cli.common import ByteSize, MiBList, emit_json
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from kvtier.bench.codecs import CodecBenchResult
@@ -207,11 +210,7 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
-        if as_json:
-            result = run_daemon_bench(config)
-        else:
-            with Console(stderr=True).status("load test of the store daemon...") as status:
-                result = run_daemon_bench(config, progress=lambda msg: status.update(f"{msg}..."))
+        result = _run_with_status(run_daemon_bench, config, "load test of the store daemon", quiet=as_json)
     except (ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -367,11 +366,7 @@ def bench_codecs(model: str, histories: tuple[int, ...], score_tokens: int, code
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     try:
-        if as_json:
-            result = run_codec_bench(config)
-        else:
-            with Console(stderr=True).status("measuring codecs...") as status:
-                result = run_codec_bench(config, progress=lambda msg: status.update(f"{msg}..."))
+        result = _run_with_status(run_codec_bench, config, "measuring codecs", quiet=as_json)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -473,6 +468,15 @@ def bench_workload(out: str, requests: int, session_rate: float, turns: float, t
 
 
 # -- human output --------------------------------------------------------------
+def _run_with_status(run: Callable[..., T], config: object, what: str, *, quiet: bool) -> T:
+    """``run(config)``; unless ``quiet`` (JSON on stdout), with a spinner on stderr naming
+    ``what`` and then each step ``run`` reports through its ``progress``."""
+    if quiet:
+        return run(config)
+    with Console(stderr=True).status(f"{what}...") as status:
+        return run(config, progress=lambda msg: status.update(f"{msg}..."))
+
+
 def _ratio(value: float, target: float = RATIO_TARGET) -> str:
     return f"[{'green' if value >= target else 'red'}]{value:.2f}[/]"
 
