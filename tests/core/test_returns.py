@@ -12,6 +12,7 @@ from kvtier.core.policy import LIVE_POLICIES, make_policy
 from kvtier.tiers.disk import header_len_for
 
 from ..conftest import make_kv
+from .test_policies import drain
 
 
 def k(*name: int) -> bytes:
@@ -45,14 +46,6 @@ class Driver:
         for i, key in enumerate(keys):
             self.policy.insert(key, i)
         self.policy.touch(keys)
-
-
-def drain(policy) -> list[bytes]:
-    order = []
-    while (v := policy.victim(lambda key: True)) is not None:
-        order.append(v)
-        policy.remove(v)
-    return order
 
 
 def test_returns_is_a_live_policy_built_from_the_registry():
