@@ -42,8 +42,6 @@ from kvtier.core.layout import KVLayout
 
 DRAM_BYTES = 128 << 30
 SSD_BYTES = 10 * 10**12
-SESSIONS = 9000
-SESSION_RATE = 1.0
 GPU_FLOPS = 4 * 312e12 * 0.5
 """Four A100s (the paper's server) at half their peak bf16 rate during prefill."""
 THINK_S = 60.0
@@ -214,6 +212,15 @@ def paper_figures(model: str, policy: str, dram_only: bool) -> tuple[float | Non
     return (PAPER_HIT_RATES[model] if policy == "attentionstore" else None), None
 
 
+def check_models(models: tuple[str, ...]) -> None:
+    """ValueError unless ``models`` names at least one of :data:`MODELS`, and only those."""
+    if not models:
+        raise ValueError(f"name at least one model; the paper's models: {', '.join(MODELS)}")
+    for name in models:
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; the paper's models: {', '.join(MODELS)}")
+
+
 def rows(trace: Trace, scale: float, *, think_mean_s: float = THINK_S,
          policies: tuple[str, ...] = POLICIES + BOUNDS, models: tuple[str, ...] = tuple(MODELS),
          capacities: tuple[float, ...] = CAPACITIES, ssd_read_GBps: float = SSD_GBPS,
@@ -223,9 +230,7 @@ def rows(trace: Trace, scale: float, *, think_mean_s: float = THINK_S,
     ``scale`` (the calibrated one) times each of ``capacities``. The paper's figures go beside
     the rows at capacity 1 only. ``unlimited`` is replayed once per model (no capacity
     changes it)."""
-    for name in models:
-        if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; the paper's models: {list(MODELS)}")
+    check_models(models)
     timed = retime(trace, think_mean_s, seed, think)
     unlimited: dict[str, ReplayResult] = {}
     out: list[PaperRow] = []

@@ -27,15 +27,15 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
     from kvtier.core.policy import POLICIES
 
     err = Console(stderr=True)
-    names = tuple(dict.fromkeys(policies)) or paper.POLICIES + paper.BOUNDS
+    names = policies or paper.POLICIES + paper.BOUNDS
     unknown = [n for n in names if n not in POLICIES and n != "unlimited"]
     if unknown:
         raise click.UsageError(f"unknown policy {unknown[0]!r}; known: {[*POLICIES, 'unlimited']}")
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else tuple(paper.MODELS)
-    bad = [m for m in chosen if m not in paper.MODELS]
-    if bad or not chosen:
-        raise click.UsageError(f"unknown model {bad[0] if bad else models!r}; the paper's models: "
-                               f"{', '.join(paper.MODELS)}")
+    try:
+        paper.check_models(chosen)  # before minutes of calibration
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     think = paper.THINK_S if think_s is None else think_s
     kind = think_kind or "exponential"
     ssd = paper.SSD_GBPS if ssd_gbps is None else ssd_gbps
@@ -72,7 +72,7 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
                       f"{'DRAM' if row.dram_only else 'DRAM+SSD'} {row.policy}: hit {row.hit_rate:.1%}, "
                       f"prefill saved {row.prefill_saved:.1%}")
 
-        table = paper.rows(tr, scale, think_mean_s=think, policies=tuple(names), models=chosen,
+        table = paper.rows(tr, scale, think_mean_s=think, policies=names, models=chosen,
                            ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind, progress=progress)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -81,30 +81,30 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
                                 "calibration_hit_rate": fit_hit,
                                 "think": kind, "think_s": think, "ssd_gbps": ssd, "dram_gbps": dram} for r in table], indent=2))
         return
-    fitted = paper.CALIBRATE_ON[:3] if calibrated else None
+    def is_fitted(r: paper.PaperRow) -> bool:
+        return calibrated and paper.CALIBRATE_ON[:3] == (r.model, r.policy, r.dram_only) and r.capacity == 1.0
+
+    how = "calibrated" if calibrated else "not calibrated" if fit_hit is not None else "given"
     out = Console(width=max(Console().width, 150))
     t = Table(title=f"AttentionStore (ATC '24) beside kvtier on {trace}: {len(tr.requests)} requests; "
-                    f"capacities x{scale:.4f} ({'calibrated' if calibrated else 'not calibrated' if fit_hit is not None else 'given'}), think {kind} {think:g} s, "
-                    f"SSD {ssd:g} GB/s, DRAM {dram:g} GB/s")
+                    f"capacities x{scale:.4f} ({how}), think {kind} {think:g} s, SSD {ssd:g} GB/s, DRAM {dram:g} GB/s")
     for col in ("model", "x", "DRAM", "SSD", "policy", "hit rate", "paper hit", "diff pts", "from DRAM",
                 "paper DRAM", "prefill saved", "TTFT s"):
         t.add_column(col, justify="left" if col in ("model", "policy") else "right", no_wrap=True)
     for r in table:
         diff = "-" if r.paper_hit_rate is None else f"{100 * (r.hit_rate - r.paper_hit_rate):+.1f}"
-        if fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0:
+        if is_fitted(r):
             diff += " (fitted)"
         t.add_row(r.model, f"{r.capacity:g}", _bytes(r.dram_bytes),
                   "-" if r.dram_only and r.policy != "unlimited" else _bytes(r.ssd_bytes), r.policy,
                   _pct(r.hit_rate), _pct(r.paper_hit_rate), diff, _pct(r.dram_share_of_hits),
                   _pct(r.paper_dram_share), _pct(r.prefill_saved), f"{r.ttft_mean_s:.3f}")
     out.print(t)
-    compared = [r for r in table if r.paper_hit_rate is not None
-                and not (fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0)]
+    compared = [r for r in table if r.paper_hit_rate is not None and not is_fitted(r)]
     close = [r for r in compared if abs(r.hit_rate - r.paper_hit_rate) <= 0.05]  # type: ignore[operator]
-    shown_fit = any(fitted == (r.model, r.policy, r.dram_only) and r.capacity == 1.0 for r in table)
     if compared:
         out.print(f"within 5 points of the paper: {len(close)} of {len(compared)} published hit rates"
-                  + (" (besides the one fitted)" if shown_fit else ""))
+                  + (" (besides the one fitted)" if any(map(is_fitted, table)) else ""))
     for policy in ("returns", "cost"):
         found = paper.gains(table, policy)
         if found:

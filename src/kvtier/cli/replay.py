@@ -35,6 +35,11 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
     return ratio, decode_gbps
 
 
+_PAPER_PARAMS = frozenset({"trace", "more_policies", "policies", "ssd_gbps", "dram_gbps", "paper", "think_s",
+                           "think_kind", "capacity_scale", "models", "as_json"})
+"""The options ``--paper`` takes; it refuses every other one given."""
+
+
 @click.command("replay")
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.argument("more_policies", nargs=-1, metavar="")
@@ -97,17 +102,14 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
                paper: str | None, think_s: float | None, think_kind: str | None, capacity_scale: float | None,
                models: str | None, as_json: bool, plot_path: str | None) -> None:
     """Replay a Mooncake-format TRACE through placement policies over DRAM (+ SSD)."""
-    names = [n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()))
     if paper:
         ctx = click.get_current_context()
-        given = [f"--{n.replace('_', '-')}" for n in (
-            "dram_blocks", "ssd_blocks", "dram_bytes", "ssd_bytes", "layers", "kv_heads", "head_dim", "dtype",
-            "hidden", "params", "tflops", "instances", "ssd_codec", "decode_gbps", "sweep",
-            "fractions", "plot_path")
-            if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+        given = [param.opts[0] for param in ctx.command.params if param.name not in _PAPER_PARAMS
+                 and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
         if given:
             raise click.UsageError(f"--paper replays the paper's own models and capacities; drop "
-                                   f"{', '.join(g.replace('--plot-path', '--plot') for g in given)}")
+                                   f"{', '.join(given)}")
         from kvtier.cli.paper import paper_cmd
 
         paper_cmd(trace, tuple(names), ssd_gbps, dram_gbps, think_s, think_kind, capacity_scale, models, as_json)
@@ -117,7 +119,6 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
         if value is not None:
             raise click.UsageError(f"{flag} applies only with --paper")
     names = names or ["lru"]
-    names = list(dict.fromkeys(names))
     ssd_gbps = 5.0 if ssd_gbps is None else ssd_gbps
     dram_gbps = 20.0 if dram_gbps is None else dram_gbps
     from kvtier.bench.replay import ReplayConfig, replay
