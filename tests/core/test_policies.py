@@ -1,5 +1,7 @@
 """The placement policies told as small stories: what each keeps, and why."""
 
+import random
+
 import pytest
 
 from kvtier.bench.simstore import SimConfig, SimStore
@@ -82,6 +84,65 @@ def test_attentionstore_forgets_a_request_once_it_is_served():
     assert p.victim(lambda key: True) == k(1)
     p.begin(1, now=0.0)
     assert p.victim(lambda key: True) == k(0)
+
+
+def _scan_victim(order: list, window, evictable) -> bytes | None:
+    """AttentionStore's rule by a plain scan of LRU order (the oracle)."""
+    farthest, farthest_seq = None, -1
+    for key in order:
+        if not evictable(key):
+            continue
+        need = window.next_need(key)
+        if need is None:
+            return key
+        if need > farthest_seq:
+            farthest, farthest_seq = key, need
+    return farthest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attentionstore_heaps_pick_the_victim_a_scan_of_lru_order_picks(seed):
+    # Random inserts, touches, removals, hints, begins and pins: the heaps must name exactly the
+    # chunk the rule, read off LRU order by a scan, names.
+    rng = random.Random(seed)
+    p = AttentionStorePolicy()
+    held: list[bytes] = []
+    pinned: set[bytes] = set()
+    queued = served = 0
+    for _ in range(4000):
+        op = rng.random()
+        if op < 0.25:
+            key = k(rng.randrange(60))
+            p.insert(key)  # a key already held is inserted again, as a recovered chunk is
+            if key not in held:
+                held.append(key)
+        elif op < 0.45 and held:
+            p.touch(rng.sample(held, rng.randint(1, min(6, len(held)))))
+        elif op < 0.55 and held:
+            key = held.pop(rng.randrange(len(held)))
+            p.remove(key)
+            pinned.discard(key)
+        elif op < 0.7:
+            queued += 1  # mostly in order; now and then late, or a number heard before
+            seq = queued if rng.random() < 0.8 else rng.randint(1, queued)
+            p.hint(seq, [k(rng.randrange(70)) for _ in range(rng.randint(1, 5))])
+        elif op < 0.78:
+            served = rng.randint(served + 1, max(served, queued) + 2)  # sometimes one never hinted
+            p.begin(served, now=0.0)
+        elif op < 0.8:
+            p._rebuild()
+        elif op < 0.85 and held:
+            pinned ^= {rng.choice(held)}
+        else:
+            evictable = frozenset(held) - pinned
+            evictable = evictable.__contains__
+            assert p.victim(evictable) == _scan_victim(list(p._order), p._window, evictable)
+    while held:  # and down to the last chunk
+        victim = p.victim(lambda key: True)
+        assert victim == _scan_victim(list(p._order), p._window, lambda key: True)
+        p.remove(victim)
+        held.remove(victim)
+    assert p.victim(lambda key: True) is None
 
 
 def test_optimal_evicts_the_chunk_needed_farthest_away_and_never_admits_a_dead_one():
@@ -182,3 +243,18 @@ def test_cost_never_lets_an_untouched_chunk_inflate_every_priority():
     policy.insert(old)
     policy.touch([old])
     assert math.isfinite(policy._resident[old])
+
+
+def test_the_queue_window_reports_every_key_whose_next_need_changes():
+    from kvtier.core.policies.window import QueueWindow
+
+    w = QueueWindow()
+    assert w.join(3, [k(1), k(2), k(1)]) == [k(1), k(2)]  # needed by nobody before
+    assert w.join(5, [k(2), k(3)]) == [k(3)]
+    assert w.join(3, [k(9)]) == []  # a request already queued
+    assert w.next_need(k(2)) == 3
+    assert sorted(w.leave_through(3)) == sorted([k(1), k(2)])  # k1: none now; k2: 3 -> 5
+    assert w.next_need(k(1)) is None and w.next_need(k(2)) == 5
+    assert w.join(4, [k(3)]) == []  # late: k3 still waits for request 5 first
+    assert sorted(w.leave_through(10)) == sorted([k(2), k(3)])
+    assert len(w) == 0 and w.next_need(k(3)) is None

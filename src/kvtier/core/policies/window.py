@@ -13,42 +13,69 @@ class QueueWindow:
 
     Fed by a policy's ``hint`` (a request joins) and ``begin`` (a request leaves: it is being
     served). Requests are served in the order of their numbers, so each key's numbers stay sorted
-    by appending on join and popping from the left on leave.
+    by appending on join and popping from the left on leave (a request that joins after a
+    higher-numbered one is appended all the same: its key's ``next_need`` stays the earlier
+    joiner's until that one leaves).
     """
 
     def __init__(self) -> None:
         self._need: dict[ChunkKey, deque[int]] = {}
         self._queued: dict[int, list[ChunkKey]] = {}
+        self._in_order = True  # requests joined in ascending numbers: the oldest come first
 
-    def join(self, seq: int, keys: Sequence[ChunkKey]) -> None:
+    def join(self, seq: int, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Request ``seq`` is queued and needs ``keys``. Returns the keys no queued request
+        needed before (their :meth:`next_need` is now ``seq``)."""
         if seq in self._queued:
-            return
+            return []
         unique = list(dict.fromkeys(keys))
+        if self._queued and seq < next(reversed(self._queued)):
+            self._in_order = False
         self._queued[seq] = unique
         need = self._need
+        fresh: list[ChunkKey] = []
         for key in unique:
             seqs = need.get(key)
             if seqs is None:
                 need[key] = deque((seq,))
+                fresh.append(key)
             else:
                 seqs.append(seq)
+        return fresh
 
-    def leave_through(self, seq: int) -> None:
-        """Requests numbered up to ``seq`` are served (or abandoned): forget them."""
+    def leave_through(self, seq: int) -> list[ChunkKey]:
+        """Requests numbered up to ``seq`` are served (or abandoned): forget them. Returns the
+        keys whose :meth:`next_need` changed (to a later request, or to None)."""
         if not self._queued:
-            return
+            return []
         need = self._need
-        for done in [s for s in self._queued if s <= seq]:
+        changed: list[ChunkKey] = []
+        if self._in_order:  # a deep queue: touch only the served ones
+            gone = []
+            for s in self._queued:
+                if s > seq:
+                    break
+                gone.append(s)
+        else:
+            gone = [s for s in self._queued if s <= seq]
+        for done in gone:
             for key in self._queued.pop(done):
                 seqs = need.get(key)
                 if seqs is None:
                     continue
+                first = seqs[0]
                 try:
                     seqs.remove(done)
                 except ValueError:
-                    pass
+                    continue
                 if not seqs:
                     del need[key]
+                    changed.append(key)
+                elif seqs[0] != first:
+                    changed.append(key)
+        if not self._queued:
+            self._in_order = True
+        return list(dict.fromkeys(changed)) if len(gone) > 1 else changed
 
     def next_need(self, key: ChunkKey) -> int | None:
         """Number of the soonest queued request needing ``key``; None if none does."""
