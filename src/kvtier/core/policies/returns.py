@@ -42,8 +42,8 @@ over (the longest over first), then of the group expected farthest (regular grou
 order of that time, irregular ones of ``last - gap / p``, the two tops compared at ``now``);
 within a group the chunks its latest use did not touch, then the deepest (a chunk without its
 prefix can never hit). As in ``attentionstore``, chunks that queued requests need are kept (the
-farthest needed goes only if every candidate is needed) and the scheduler prefetches them
-(``lookahead``). A chunk put into DRAM and not touched yet goes last.
+farthest needed goes only if every candidate is needed) and the scheduler prefetches them;
+like it, the policy hears of the whole queue (``lookahead``). A chunk put into DRAM and not touched yet goes last.
 
 **Staging** (regular sessions, DRAM). A session enters its staging window ``lead = max(
 MIN_LEAD_S, LEAD_SHARE x gap)`` before it is due: the lead scales with the gap since the error
@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.policies.attentionstore import LOOKAHEAD
+from kvtier.core.policies.attentionstore import QUEUE_LOOKAHEAD
 from kvtier.core.policies.base import EvictionPolicy, TierContext
 from kvtier.core.policies.window import QueueWindow
 
@@ -234,7 +234,7 @@ class _Mean:
 
 
 class ReturnsPolicy(EvictionPolicy):
-    lookahead = LOOKAHEAD
+    lookahead = QUEUE_LOOKAHEAD
 
     def __init__(self, context: TierContext | None = None) -> None:
         self._ctx = context or TierContext()
