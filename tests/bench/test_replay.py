@@ -188,3 +188,41 @@ def test_cli_takes_the_codec_ratio_kvtier_measures_for_the_layout(tmp_path):
     assert 190 <= rows["int8"]["ssd_blocks_held"] <= 200  # bf16 -> int8 and its scales
     assert 350 <= rows["int4"]["ssd_blocks_held"] <= 400
     assert rows["int8"]["hit_ratio_blocks"] >= rows["none"]["hit_ratio_blocks"]
+
+
+def session_line(ts: int, ids: list[int], session: int, output: int = 1) -> str:
+    return json.dumps({"timestamp": ts, "input_length": 512 * len(ids), "output_length": output,
+                       "hash_ids": ids, "session_id": session})
+
+
+def test_a_closed_loop_sends_the_next_turn_a_think_time_after_the_reply():
+    import dataclasses
+
+    from kvtier.bench.replay import replay_served
+
+    trace = parse_trace([session_line(0, [1, 2], 0, output=100), session_line(10, [7], 1, output=100),
+                         session_line(5000, [1, 2, 3], 0)])
+    trace = dataclasses.replace(trace, requests=[trace.requests[0], trace.requests[1],
+                                                 dataclasses.replace(trace.requests[2], think_s=5.0)])
+    config = ReplayConfig(dram_blocks=100, instances=1, closed_loop=True, decode_s_per_token=0.01)
+    result, served = replay_served(trace, config)
+    c = config.compute
+    first = c.prefill_s(0, 1024) + 1.0  # prefill, then 100 reply tokens at 10 ms
+    second_done = max(first, 0.01) + c.prefill_s(0, 512) + 1.0  # session 1 waited for the instance
+    assert [r.session_id for r in served.requests] == [0, 1, 0]
+    assert served.requests[2].arrival_s == pytest.approx(first + 5.0)  # not at its own 5 s
+    assert served.requests[2].arrival_s > second_done  # so it found the instance free
+    assert result.ttft_mean_s == pytest.approx(
+        (c.prefill_s(0, 1024) + (second_done - 1.0 - 0.01) + c.prefill_s(1024, 1536) + 2 * config.load_s(0)) / 3)
+    open_loop = replay_served(trace, dataclasses.replace(config, closed_loop=False))[1]
+    assert open_loop.requests[2].arrival_s == pytest.approx(5.0)
+
+
+def test_a_closed_loop_refuses_the_offline_bounds_and_a_trace_without_sessions():
+    sessions = parse_trace([session_line(0, [1], 0), session_line(1000, [1, 2], 0)])
+    with pytest.raises(ValueError, match="replay it on served_trace"):
+        replay(sessions, ReplayConfig(policy="optimal", closed_loop=True))
+    with pytest.raises(ValueError, match="needs a trace that names sessions"):
+        replay(parse_trace([line(0, [1])]), ReplayConfig(closed_loop=True))
+    with pytest.raises(ValueError, match="decode_s_per_token must be >= 0"):
+        ReplayConfig(decode_s_per_token=-1.0)

@@ -1,13 +1,14 @@
 """Trace replay: how much prefill a placement policy saves, at what DRAM and SSD capacity.
 
 Each request of a :class:`~kvtier.bench.trace.Trace` is served FIFO by the first free of
-``instances`` prefill instances. At its start the policies hear ``begin``; the requests that
-have arrived by then (up to the policy's ``lookahead``) are announced with ``hint`` and their
-chunks prefetched into DRAM while the queue's chunks fit in DRAM (prefetch is assumed to finish
-in the background before use). The request then does what an engine does with the store:
-``lookup``, ``load``, ``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`:
-the live store's own :class:`~kvtier.core.placement.Placement` and policy objects, with a mover
-that counts chunks instead of copying bytes.
+``instances`` instances. At its start the policies hear ``begin``; the requests that have
+arrived by then (up to the policy's ``lookahead``: the whole queue for ``attentionstore`` and
+``returns``) are announced with ``hint``. While it computes, the head of the queue is prefetched
+into DRAM, as many requests as DRAM holds (prefetch is assumed to finish in the background
+before use). The request then does what an engine does with the store: ``lookup``, ``load``,
+``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`: the live store's own
+:class:`~kvtier.core.placement.Placement` and policy objects, with a mover that counts chunks
+instead of copying bytes.
 
 After it, the sequences the DRAM policy stages (``staging``: conversations it predicts are
 coming back) are prefetched into DRAM the same way, at the request's start time: in the
@@ -15,9 +16,14 @@ background while it is served, so after its own lookup and saves.
 
 Its prefill time is the recompute of the tokens after the loaded prefix (the
 :class:`~kvtier.core.cost_model.ComputeModel`, attention growing with position) plus the time to
-read each loaded chunk from its tier; TTFT is queueing plus prefill (decoding is not modelled:
-prefill instances, as in Mooncake). ``prefill_saved`` is the share of prefill time saved against
-no cache; ``compute_saved`` the share of FLOPs.
+read each loaded chunk from its tier; TTFT is queueing plus prefill. Decoding is not modelled by
+default (prefill instances, as in Mooncake); ``decode_s_per_token`` makes an instance also
+decode each reply after its prefill. ``prefill_saved`` is the share of prefill time saved
+against no cache; ``compute_saved`` the share of FLOPs.
+
+Arrivals are the trace's (an open loop) unless ``closed_loop``: then a session's next turn
+arrives its think time after the previous turn's reply, so a queue delays the conversation's
+return as it delays a user waiting for a reply.
 
 A codec on the SSD (``ssd_codec``) changes two things: the SSD holds more blocks in the same
 bytes (a block is stored at ``ssd_codec_ratio`` of its size), and an SSD hit reads fewer bytes
@@ -35,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvtier.bench.simstore import SimConfig, SimStore
-from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace
+from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
 from kvtier.core.cost_model import ComputeModel
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies.base import TierContext
@@ -70,6 +76,14 @@ class ReplayConfig:
     """Layer-wise loading (kvtier's and AttentionStore's): layer ``l+1``'s chunks load while
     layer ``l`` computes, so a request takes ``max(compute, load) + min(compute, load) /
     layers`` instead of their sum."""
+    closed_loop: bool = False
+    """On a trace that names sessions: a session's next turn arrives its ``think_s`` after the
+    previous turn's reply is done (prefill, then decode), not at its own ``arrival_s``: behind
+    a queue, a conversation then comes back later, as a user waits for each reply."""
+    decode_s_per_token: float = 0.0
+    """Server seconds each reply token takes (the decode steps' share of the server, which also
+    decodes): a request holds its instance for its prefill plus ``output_length`` times this,
+    and its reply is done at the end."""
     save_replies: bool = True
     """On a trace that names sessions: after a turn, also save the blocks its reply completes
     (named by the session's next prompt), as a store behind an engine that saves generated
@@ -88,6 +102,8 @@ class ReplayConfig:
         if not 0 < self.ssd_codec_ratio <= 1 or (self.ssd_codec == "none") != (self.ssd_codec_ratio == 1):
             raise ValueError(f"ssd_codec_ratio must be in (0, 1], and 1 exactly without a codec; "
                              f"got {self.ssd_codec_ratio!r} for codec {self.ssd_codec!r}")
+        if not self.decode_s_per_token >= 0:
+            raise ValueError(f"decode_s_per_token must be >= 0, got {self.decode_s_per_token!r}")
         if not self.ssd_decode_GBps > 0:
             raise ValueError(f"ssd_decode_GBps must be positive, got {self.ssd_decode_GBps!r}")
         SimConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
@@ -141,8 +157,29 @@ class ReplayResult:
 
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay ``trace`` under ``config``. Deterministic."""
+    return _replay(trace, config)[0]
+
+
+def replay_served(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, Trace]:
+    """:func:`replay`, and ``trace`` as it served it: in service order, each request at the
+    time it arrived (a closed loop decides both as it runs). That is the trace for the offline
+    bounds, which must know the order in advance."""
+    result, queue = _replay(trace, config)
+    order = [dataclasses.replace(trace.requests[i], arrival_s=at, think_s=None) for i, at in queue.served()]
+    return result, Trace(order, trace.unique_blocks, f"{trace.name} as {config.policy} served it")
+
+
+def served_trace(trace: Trace, config: ReplayConfig) -> Trace:
+    """``trace`` as ``config``'s replay served it (see :func:`replay_served`)."""
+    return replay_served(trace, config)[1]
+
+
+def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
     compute, c = config.compute, MOONCAKE_BLOCK_TOKENS
     pcfg = SimConfig(config.policy, config.dram_blocks, config.ssd_blocks_held)
+    if config.closed_loop and config.policy not in LIVE_POLICIES:
+        raise ValueError(f"policy {config.policy!r} needs the trace's future, which a closed loop "
+                         "does not know in advance: replay it on served_trace(...) instead")
     future = trace.future() if config.policy not in LIVE_POLICIES else None
     contexts = [TierContext(level=lvl, chunk_load_s=config.load_s(lvl), chunk_tokens=c,
                             compute=compute, future=future) for lvl in range(len(pcfg.capacities))]
@@ -151,40 +188,50 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     lookahead = place.lookahead
     requests = trace.requests
     n = len(requests)
+    queue = _Queue(requests, config.closed_loop)
     free = [0.0] * config.instances  # when each instance is next free
     ttft = np.empty(n)
     base_s = cached_s = base_flops = cached_flops = 0.0
     hit_blocks = hit_tokens = total_tokens = 0
-    announced = window_blocks = 0
+    announced = fetched = fetch_blocks = 0
     following = _next_in_session(requests)
-    saved_for: dict[int, int] = {}  # request -> its history blocks saved by earlier turns
+    saved_for: dict[int, int] = {}  # request (its index in the trace) -> its history blocks saved by earlier turns
     reusable = reused = staged = 0
-    for seq, req in enumerate(requests):
-        start = max(req.arrival_s, free[0])
+    for seq in range(n):
+        index, arrival = queue.serve(seq)
+        req = requests[index]
+        start = max(arrival, free[0])
+        queue.arrive_by(start)
         place.begin(seq, start)
-        if announced <= seq:
-            announced = seq
+        announced = max(seq, announced)
+        if fetched <= seq:
+            fetched = seq + 1
         else:
-            window_blocks -= len(req.keys)
+            fetch_blocks -= len(req.keys)
         # Announce the queue (this request first): what has arrived by `start`.
-        while announced < n and announced < seq + max(lookahead, 1) and (
-            announced == seq or requests[announced].arrival_s <= start
+        while announced < len(queue) and announced < seq + max(lookahead, 1) and (
+            announced == seq or queue.arrival(announced) <= start
         ):
             if lookahead and announced > seq:
-                queued = requests[announced].keys
-                place.hint(announced, queued)
-                window_blocks += len(queued)
-                if window_blocks <= config.dram_blocks:
-                    place.prefetch(queued)
+                place.hint(announced, requests[queue.index(announced)].keys)
             announced += 1
         hit = place.lookup(req.keys)
         sources = place.load(hit)
+        # While it computes, prefetch the head of the queue, as far as DRAM holds it
+        # (AttentionStore's prefetching window). The window slides: it counts each queued
+        # request's blocks (a shared prefix once per request), and a request whose prefetched
+        # chunks were evicted before its turn is not prefetched again.
+        while fetched < announced and fetch_blocks + len(requests[queue.index(fetched)].keys) <= config.dram_blocks:
+            keys = requests[queue.index(fetched)].keys
+            place.prefetch(keys)
+            fetch_blocks += len(keys)
+            fetched += 1
         place.save(req.keys)
-        history = saved_for.pop(seq, None)
+        history = saved_for.pop(index, None)
         if history:
             reusable += history
             reused += min(len(sources), history)
-        nxt = following[seq]
+        nxt = following[index]
         if nxt is not None:
             done = requests[nxt].keys[: (req.input_length + req.output_length) // c] if config.save_replies \
                 else req.keys[: req.input_length // c]
@@ -199,8 +246,11 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         work, load = flops / compute.flops, sum(load_s[lvl] for lvl in sources)
         service = (max(work, load) + min(work, load) / config.layout.num_layers) if config.layerwise \
             else work + load
-        heapq.heapreplace(free, start + service)
-        ttft[seq] = start + service - req.arrival_s
+        decode = req.output_length * config.decode_s_per_token
+        heapq.heapreplace(free, start + service + decode)
+        ttft[seq] = start + service - arrival
+        if nxt is not None:
+            queue.reply_done(nxt, start + service + decode)
         hit_blocks += len(sources)
         hit_tokens += got
         total_tokens += req.input_length
@@ -237,7 +287,78 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         else None,
         dram_share_of_hits=place.hits[0] / sum(place.hits) if sum(place.hits) else 0.0,
         staged_blocks=staged,
-    )
+    ), queue
+
+
+class _Queue:
+    """The requests in service order (first come, first served), as they arrive.
+
+    Open loop: the trace's own order and arrival times. Closed loop: a session's first turn
+    arrives at its ``arrival_s``, each later one its ``think_s`` (without one: the gap between
+    the two turns' ``arrival_s``) after the previous turn's reply is done (:meth:`reply_done`),
+    so requests get their numbers as they arrive.
+    """
+
+    def __init__(self, requests: list[Request], closed: bool) -> None:
+        self._closed = closed
+        if not closed:
+            self._order = list(range(len(requests)))
+            self._arrival = [r.arrival_s for r in requests]
+            return
+        for req in requests:
+            if req.session_id is None:
+                raise ValueError("a closed-loop replay needs a trace that names sessions")
+        self._think: list[float] = [0.0] * len(requests)
+        last: dict[object, float] = {}
+        self._pending: list[tuple[float, int]] = []
+        for i, req in enumerate(requests):
+            if req.session_id not in last:
+                self._pending.append((req.arrival_s, i))
+            else:  # without a think time of its own: the trace's gap between the two turns
+                self._think[i] = req.think_s if req.think_s is not None else \
+                    max(0.0, req.arrival_s - last[req.session_id])
+            last[req.session_id] = req.arrival_s
+        heapq.heapify(self._pending)
+        self._order = []
+        self._arrival = []
+
+    def __len__(self) -> int:
+        """Requests arrived (numbered) so far."""
+        return len(self._order)
+
+    def index(self, seq: int) -> int:
+        return self._order[seq]
+
+    def arrival(self, seq: int) -> float:
+        return self._arrival[seq]
+
+    def _arrive(self) -> None:
+        at, index = heapq.heappop(self._pending)
+        self._order.append(index)
+        self._arrival.append(at)
+
+    def serve(self, seq: int) -> tuple[int, float]:
+        """(trace index, arrival) of request number ``seq``, the next to be served."""
+        while len(self._order) <= seq:
+            if not self._closed or not self._pending:
+                raise ValueError("a closed loop ran out of requests: a session's later turn never arrived")
+            self._arrive()
+        return self._order[seq], self._arrival[seq]
+
+    def arrive_by(self, now: float) -> None:
+        """Number every request that has arrived by ``now``."""
+        if self._closed:
+            while self._pending and self._pending[0][0] <= now:
+                self._arrive()
+
+    def reply_done(self, index: int, at: float) -> None:
+        """Request ``index``'s previous turn has its reply at ``at``: closed loop, it arrives
+        after its think time."""
+        if self._closed:
+            heapq.heappush(self._pending, (at + self._think[index], index))
+
+    def served(self) -> list[tuple[int, float]]:
+        return list(zip(self._order, self._arrival, strict=True))
 
 
 def _next_in_session(requests: list) -> list[int | None]:

@@ -34,6 +34,9 @@ class Request:
     """One key per block id, in prefix order."""
     session_id: int | str | None = None
     """The line's ``session_id``, when it has one."""
+    think_s: float | None = None
+    """Seconds between the previous turn's reply and this turn, for a closed-loop replay (not in
+    the file: :func:`kvtier.bench.paper.retime` sets it)."""
 
 
 @dataclass(frozen=True)
