@@ -180,6 +180,8 @@ def test_the_cli_prints_the_papers_figures_beside_kvtiers(tmp_path):
     (["--paper", "attentionstore", "--policy", "mru"], "unknown policy 'mru'"),
     (["--think-s", "30"], "--think-s applies only with --paper"),
     (["--think", "fixed"], "--think applies only with --paper"),
+    (["--loop", "open"], "--loop applies only with --paper"),
+    (["--decode-ms-per-token", "1"], "--decode-ms-per-token applies only with --paper"),
     (["--capacity-scale", "0.1"], "--capacity-scale applies only with --paper"),
 ])
 def test_the_cli_refuses_what_the_paper_replay_cannot_take(tmp_path, args, message):
@@ -200,3 +202,32 @@ def test_the_cli_refuses_a_trace_without_sessions(tmp_path):
     path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]}\n')
     res = CliRunner().invoke(main, ["replay", str(path), "--paper", "attentionstore"])
     assert res.exit_code == 2 and "names no sessions" in res.output
+
+
+def test_a_queue_hurts_lru_only_in_a_closed_loop_and_attentionstore_keeps_the_queued_sessions():
+    trace, model = sessions_trace(), paper.MODELS["llama-2-13b"]
+
+    def hit(policy: str, closed: bool, decode: float) -> float:
+        setup = paper.Setup(closed_loop=closed, decode_s_per_token=decode)
+        return paper.replay(setup.timed(trace), paper.config_for(model, policy, False, 0.005, setup)).hit_rate
+
+    # Open loop: the order of requests is the trace's, whatever the queue, and LRU sees only order.
+    assert hit("lru", False, 0.002) == hit("lru", False, 0.0)
+    # Closed loop: a loaded server delays each conversation's return, so more of the others pass
+    # through the cache in between.
+    assert hit("lru", True, 0.002) < hit("lru", True, 0.0) - 0.02
+    # AttentionStore's window protects whatever is queued: the deeper the queue, the more it keeps.
+    for closed in (False, True):
+        assert hit("attentionstore", closed, 0.002) > hit("lru", closed, 0.002) + 0.05
+        assert hit("attentionstore", closed, 0.0) >= hit("lru", closed, 0.0)
+
+
+def test_in_a_closed_loop_optimal_replays_the_order_attentionstore_served():
+    rows = paper.rows(sessions_trace(), 0.005, models=("llama-2-13b",),
+                      policies=("attentionstore", "optimal", "unlimited"), capacities=(1.0,))
+    by = {(r.policy, r.dram_only): r for r in rows}
+    for dram_only in (False, True):
+        assert by[("optimal", dram_only)].hit_rate >= by[("attentionstore", dram_only)].hit_rate
+        assert by[("optimal", dram_only)].hit_rate <= by[("unlimited", dram_only)].hit_rate + 1e-12
+    alone = paper.rows(sessions_trace(), 0.005, models=("llama-2-13b",), policies=("optimal",), capacities=(1.0,))
+    assert [r.hit_rate for r in alone] == [by[("optimal", False)].hit_rate, by[("optimal", True)].hit_rate]

@@ -11,19 +11,20 @@ arriving as a Poisson process at 1 a second, one server (four A100s) with 128 GB
 earlier turns saved (prompts and replies), the share its next turn finds
 (:attr:`kvtier.bench.replay.ReplayResult.hit_rate`).
 
-What one parameter does the replay calibrate? Not the think time: at the paper's own capacities
-the packaged ShareGPT sessions' KV fits whatever it is (13B, DRAM and SSD: 0.997-1.0 from a 60 s
-to a 60,000 s mean), because they hold far less KV than the paper's (a mean final context of
-2.6K tokens; 31% pass 2K tokens). So the replay calibrates the **capacity scale** -- the
-paper's DRAM and SSD times one factor, the ratio of this dataset's KV footprint to the paper's
--- once, by bisection, on one published figure (:data:`CALIBRATE_ON`: the 13B model with DRAM
-and SSD under AttentionStore's policy, 86%), and predicts every other figure with it. The
-think time stays a stated parameter (exponential, mean :data:`THINK_S`; it trades off with the
-factor: at the fitted scale the 13B hit rate goes from 1.0 at a 10 s mean to 0.86 at 60 s and
-0.70 from 6,000 s on), as do the two the paper does not give either: the SSD's read bandwidth
-(:data:`SSD_GBPS`) and the serving load (one prefill server; decoding is not modelled). Loads overlap compute layer by layer, as in AttentionStore and kvtier. What the
-replay reproduces and what it does not, with the reasons, is in the README ("AttentionStore's
-evaluation on real ShareGPT sessions").
+What does the replay calibrate? Not the think time: at the paper's own capacities the packaged
+ShareGPT sessions' KV fits whatever it is, because they hold far less KV than the paper's (a
+mean final context of 2.6K tokens; 31% pass 2K tokens). So the replay fits the **capacity
+scale** -- the paper's DRAM and SSD times one factor, the ratio of this dataset's KV footprint
+to the paper's -- by bisection on one published figure (:data:`CALIBRATE_ON`: the 13B model with
+DRAM and SSD under AttentionStore's policy, 86%), and predicts every other figure with it. The
+server also decodes: a reply token costs it :data:`DECODE_S_PER_TOKEN`, fitted by hand once to
+a second figure (LRU's 58% on the 13B model). The rest is stated (:class:`Setup`): think times
+exponential with a mean of :data:`THINK_S` (it trades off with the scale), each counted from
+the previous turn's reply (a closed loop: a user answers a reply, so behind a queue a
+conversation comes back later), the SSD's read bandwidth (:data:`SSD_GBPS`), one server. Loads
+overlap compute layer by layer, as in AttentionStore and kvtier. What the replay reproduces and
+what it does not, with the reasons, is in the README ("AttentionStore's evaluation on real
+ShareGPT sessions").
 """
 
 from __future__ import annotations
@@ -35,24 +36,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.bench.replay import ReplayConfig, ReplayResult, replay
+from kvtier.bench.replay import ReplayConfig, ReplayResult, replay, replay_served
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
 from kvtier.core.cost_model import ComputeModel
 from kvtier.core.layout import KVLayout
+from kvtier.core.policy import LIVE_POLICIES
 
 DRAM_BYTES = 128 << 30
 SSD_BYTES = 10 * 10**12
 GPU_FLOPS = 4 * 312e12 * 0.5
 """Four A100s (the paper's server) at half their peak bf16 rate during prefill."""
 THINK_S = 60.0
-"""Mean think time (exponential) between a reply and the session's next turn: not in the paper,
-and the hit rates hardly depend on it (see the module's text)."""
+"""Mean think time (exponential) between a reply and the session's next turn: not in the paper
+(see the module's text)."""
 DRAM_GBPS = 80.0
 """DRAM -> accelerator bandwidth, GB/s: four A100s, each loading its share over its own PCIe 4.0
 x16 link at about 20 GB/s."""
 SSD_GBPS = 20.0
 """SSD read bandwidth, GB/s: not in the paper; four NVMe drives of 5 GB/s behind its 10 TB. At
 this rate a 13B block (400 MB) loads in about the time its recompute takes (20 vs 21 ms)."""
+DECODE_S_PER_TOKEN = 0.5e-3
+"""Server seconds a reply token costs: the server decodes as well as prefills, and a decode
+step of its batch takes its share. Not in the paper; fitted by hand to LRU's published 58% on
+the 13B model (the scale refitted to AttentionStore's 86% at each value): LRU's hit rate is
+72.7% without decoding, 61.8% at 0.3 ms, 60.3% at 0.5 ms (its lowest), 61.6% at 0.7 ms and
+62.1% at 1 ms. A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
+for the batch and each sequence's KV (about 4.8 GB at these sessions' mean 6.2K-token prompt),
+which puts the physical figure near 0.6-1.2 ms at half the HBM bandwidth."""
 
 
 @dataclass(frozen=True)
@@ -100,11 +110,43 @@ CAPACITIES = (1.0, 0.25)
 THINK_KINDS = ("exponential", "fixed")
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What the paper does not state, as the replay sets it (see the module's text)."""
+
+    think_mean_s: float = THINK_S
+    think: str = "exponential"
+    seed: int = 0
+    """Of the think times drawn."""
+    ssd_read_GBps: float = SSD_GBPS
+    dram_read_GBps: float = DRAM_GBPS
+    decode_s_per_token: float = DECODE_S_PER_TOKEN
+    closed_loop: bool = True
+    """A session's next turn comes a think time after its reply (closed), or after its previous
+    turn's arrival (open: the queue then never delays a conversation's return)."""
+
+    def __post_init__(self) -> None:
+        if not self.think_mean_s > 0:
+            raise ValueError(f"think time must be positive, got {self.think_mean_s!r}")
+        if self.think not in THINK_KINDS:
+            raise ValueError(f"think must be one of {THINK_KINDS}, got {self.think!r}")
+        for name in ("ssd_read_GBps", "dram_read_GBps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not self.decode_s_per_token >= 0:
+            raise ValueError(f"decode_s_per_token must be >= 0, got {self.decode_s_per_token!r}")
+
+    def timed(self, trace: Trace) -> Trace:
+        return retime(trace, self.think_mean_s, self.seed, self.think)
+
+
 def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "exponential") -> Trace:
     """``trace`` (a sessions trace: every request names its session) with each session's later
-    turns re-timed: the first keeps its arrival, each next one comes a think time after the one
-    before: exponential of mean ``think_mean_s`` (memoryless: nothing tells when a session comes
-    back), or ``fixed`` at it. ValueError on a trace without sessions."""
+    turns re-timed: each later turn gets a think time (its ``think_s``), exponential of mean
+    ``think_mean_s`` (memoryless: nothing tells when a session comes back) or ``fixed`` at it.
+    A closed-loop replay counts it from the previous turn's reply; ``arrival_s`` counts it from
+    the previous turn's arrival (the open loop), and the first turn keeps its own. ValueError
+    on a trace without sessions."""
     if not think_mean_s > 0:
         raise ValueError(f"think time must be positive, got {think_mean_s!r}")
     if think not in THINK_KINDS:
@@ -118,18 +160,19 @@ def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "expon
             raise ValueError("the paper's replay needs a trace that names sessions "
                              "(kvtier bench workload-sharegpt writes one)")
         sid = req.session_id
-        at = req.arrival_s if sid not in last else last[sid] + (
-            think_mean_s if fixed else float(rng.exponential(think_mean_s)))
+        gap = None if sid not in last else think_mean_s if fixed else float(rng.exponential(think_mean_s))
+        at = req.arrival_s if gap is None else last[sid] + gap
         last[sid] = at
-        timed.append((at, i, dataclasses.replace(req, arrival_s=at)))
+        timed.append((at, i, dataclasses.replace(req, arrival_s=at, think_s=gap)))
     timed.sort(key=lambda t: (t[0], t[1]))
     return Trace([r for _, _, r in timed], trace.unique_blocks, f"{trace.name} think {think} {think_mean_s:g}s")
 
 
 def config_for(model: PaperModel, policy: str, dram_only: bool = False, scale: float = 1.0,
-               ssd_read_GBps: float = SSD_GBPS, dram_read_GBps: float = DRAM_GBPS) -> ReplayConfig:
-    """The paper's server for ``model``, capacities times ``scale``: one prefill instance,
-    layer-wise loading. ``policy`` ``unlimited`` is LRU with room for everything."""
+               setup: Setup = Setup()) -> ReplayConfig:
+    """The paper's server for ``model``, capacities times ``scale``: one instance that prefills
+    (layer-wise loading) and decodes, sessions in a closed loop unless ``setup`` says open.
+    ``policy`` ``unlimited`` is LRU with room for everything."""
     if not scale > 0:
         raise ValueError(f"capacity scale must be positive, got {scale!r}")
     block = model.layout.chunk_bytes
@@ -137,8 +180,9 @@ def config_for(model: PaperModel, policy: str, dram_only: bool = False, scale: f
     if policy == "unlimited":
         policy, dram, ssd = "lru", 1 << 40, 0
     return ReplayConfig(policy=policy, dram_blocks=dram, ssd_blocks=ssd, layout=model.layout,
-                        compute=model.compute, ssd_read_GBps=ssd_read_GBps, dram_read_GBps=dram_read_GBps,
-                        instances=1, layerwise=True)
+                        compute=model.compute, ssd_read_GBps=setup.ssd_read_GBps,
+                        dram_read_GBps=setup.dram_read_GBps, instances=1, layerwise=True,
+                        closed_loop=setup.closed_loop, decode_s_per_token=setup.decode_s_per_token)
 
 
 @dataclass(frozen=True)
@@ -152,9 +196,8 @@ class Calibration:
     outside the searched range, or the hit rate jumps past it)."""
 
 
-def calibrate(trace: Trace, think_mean_s: float = THINK_S, lo: float = 1e-3, hi: float = 1.0,
-              rounds: int = 10, seed: int = 0, ssd_read_GBps: float = SSD_GBPS,
-              dram_read_GBps: float = DRAM_GBPS, tolerance: float = 0.01, think: str = "exponential",
+def calibrate(trace: Trace, setup: Setup = Setup(), lo: float = 1e-3, hi: float = 1.0,
+              rounds: int = 10, tolerance: float = 0.01,
               progress: Callable[[float, float], None] | None = None) -> Calibration:
     """The capacity scale at which :data:`CALIBRATE_ON`'s replay hits its published rate
     (bisection on a log scale between ``lo`` and ``hi``: more capacity, more hits), with the
@@ -162,11 +205,10 @@ def calibrate(trace: Trace, think_mean_s: float = THINK_S, lo: float = 1e-3, hi:
     if not 0 < lo < hi:
         raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
     name, policy, dram_only, target = CALIBRATE_ON
-    timed = retime(trace, think_mean_s, seed, think)
+    timed = setup.timed(trace)
 
     def hit(scale: float) -> float:
-        got = replay(timed, config_for(MODELS[name], policy, dram_only, scale, ssd_read_GBps,
-                                       dram_read_GBps)).hit_rate or 0.0
+        got = replay(timed, config_for(MODELS[name], policy, dram_only, scale, setup)).hit_rate or 0.0
         if progress is not None:
             progress(scale, got)
         return got
@@ -221,17 +263,19 @@ def check_models(models: tuple[str, ...]) -> None:
             raise ValueError(f"unknown model {name!r}; the paper's models: {', '.join(MODELS)}")
 
 
-def rows(trace: Trace, scale: float, *, think_mean_s: float = THINK_S,
+def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
          policies: tuple[str, ...] = POLICIES + BOUNDS, models: tuple[str, ...] = tuple(MODELS),
-         capacities: tuple[float, ...] = CAPACITIES, ssd_read_GBps: float = SSD_GBPS,
-         dram_read_GBps: float = DRAM_GBPS, seed: int = 0, think: str = "exponential",
+         capacities: tuple[float, ...] = CAPACITIES,
          progress: Callable[[PaperRow], None] | None = None) -> list[PaperRow]:
     """Every (capacity, model, DRAM and SSD or DRAM only, policy) replayed at capacity scale
     ``scale`` (the calibrated one) times each of ``capacities``. The paper's figures go beside
     the rows at capacity 1 only. ``unlimited`` is replayed once per model (no capacity
-    changes it)."""
+    changes it). In a closed loop ``optimal`` (which must know the order of requests in
+    advance) replays the order ``attentionstore`` served at the same capacities, at the times
+    they arrived there (an open loop): its hit rate bounds that order's, and its TTFT and
+    prefill saved are not those of a closed loop."""
     check_models(models)
-    timed = retime(trace, think_mean_s, seed, think)
+    timed = setup.timed(trace)
     unlimited: dict[str, ReplayResult] = {}
     out: list[PaperRow] = []
     for capacity in capacities:
@@ -239,15 +283,29 @@ def rows(trace: Trace, scale: float, *, think_mean_s: float = THINK_S,
             model = MODELS[name]
             block = model.layout.chunk_bytes
             for dram_only in (False, True):
+                ahead: tuple[ReplayResult, Trace] | None = None  # attentionstore's, and the order it served
+
+                def attentionstore(config: ReplayConfig) -> tuple[ReplayResult, Trace]:
+                    nonlocal ahead
+                    if ahead is None:
+                        ahead = replay_served(timed, dataclasses.replace(config, policy="attentionstore"))
+                    return ahead
+
+                offline = setup.closed_loop and any(p not in LIVE_POLICIES for p in policies if p != "unlimited")
                 for policy in dict.fromkeys(policies):
-                    config = config_for(model, policy, dram_only, scale * capacity, ssd_read_GBps, dram_read_GBps)
+                    config = config_for(model, policy, dram_only, scale * capacity, setup)
                     if policy == "unlimited":
                         if name not in unlimited:
                             unlimited[name] = replay(timed, config)
                         result = unlimited[name]
                         dram, ssd = None, None
                     else:
-                        result = replay(timed, config)
+                        if offline and policy not in LIVE_POLICIES:
+                            result = replay(attentionstore(config)[1], dataclasses.replace(config, closed_loop=False))
+                        elif offline and policy == "attentionstore":
+                            result = attentionstore(config)[0]
+                        else:
+                            result = replay(timed, config)
                         dram, ssd = config.dram_blocks * block, config.ssd_blocks * block
                     hit, share = paper_figures(name, policy, dram_only) if capacity == 1.0 else (None, None)
                     row = PaperRow(name, policy, dram_only, capacity, dram, ssd, result.hit_rate or 0.0,

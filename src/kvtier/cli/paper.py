@@ -19,9 +19,9 @@ def _bytes(n: int | None) -> str:
     return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 2**30:.1f} GiB"
 
 
-def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dram_gbps: float | None,
-              think_s: float | None, think_kind: str | None, capacity_scale: float | None, models: str | None,
-              as_json: bool) -> None:
+def paper_cmd(trace: str, policies: tuple[str, ...], stated: dict[str, object], capacity_scale: float | None,
+              models: str | None, as_json: bool) -> None:
+    """``stated``: the :class:`~kvtier.bench.paper.Setup` fields given on the command line."""
     from kvtier.bench import paper
     from kvtier.bench.trace import TraceError, load_trace
     from kvtier.core.policy import POLICIES
@@ -34,12 +34,9 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else tuple(paper.MODELS)
     try:
         paper.check_models(chosen)  # before minutes of calibration
+        setup = paper.Setup(**stated)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    think = paper.THINK_S if think_s is None else think_s
-    kind = think_kind or "exponential"
-    ssd = paper.SSD_GBPS if ssd_gbps is None else ssd_gbps
-    dram = paper.DRAM_GBPS if dram_gbps is None else dram_gbps
     try:
         tr = load_trace(trace)
     except TraceError as exc:
@@ -52,8 +49,7 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
             name, policy, dram_only, target = paper.CALIBRATE_ON
             err.print(f"calibrating the capacity scale on {name}, {policy}, "
                       f"{'DRAM only' if dram_only else 'DRAM and SSD'}: the paper's {target:.0%}")
-            cal = paper.calibrate(tr, think, ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind,
-                                  progress=lambda s, h: err.print(f"  scale {s:.4f}: hit rate {h:.1%}"))
+            cal = paper.calibrate(tr, setup, progress=lambda s, h: err.print(f"  scale {s:.4f}: hit rate {h:.1%}"))
             scale, calibrated, fit_hit = cal.scale, cal.reached, cal.hit_rate
             if cal.reached:
                 err.print(f"calibrated: capacity scale {cal.scale:.4f} (hit rate {cal.hit_rate:.1%}); "
@@ -72,14 +68,15 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
                       f"{'DRAM' if row.dram_only else 'DRAM+SSD'} {row.policy}: hit {row.hit_rate:.1%}, "
                       f"prefill saved {row.prefill_saved:.1%}")
 
-        table = paper.rows(tr, scale, think_mean_s=think, policies=names, models=chosen,
-                           ssd_read_GBps=ssd, dram_read_GBps=dram, think=kind, progress=progress)
+        table = paper.rows(tr, scale, setup, policies=names, models=chosen, progress=progress)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     if as_json:
         click.echo(json.dumps([{**r.as_dict(), "capacity_scale": scale * r.capacity, "calibrated": calibrated,
-                                "calibration_hit_rate": fit_hit,
-                                "think": kind, "think_s": think, "ssd_gbps": ssd, "dram_gbps": dram} for r in table], indent=2))
+                                "calibration_hit_rate": fit_hit, "think": setup.think, "think_s": setup.think_mean_s,
+                                "ssd_gbps": setup.ssd_read_GBps, "dram_gbps": setup.dram_read_GBps,
+                                "decode_ms_per_token": setup.decode_s_per_token * 1e3,
+                                "loop": "closed" if setup.closed_loop else "open"} for r in table], indent=2))
         return
     def is_fitted(r: paper.PaperRow) -> bool:
         return calibrated and paper.CALIBRATE_ON[:3] == (r.model, r.policy, r.dram_only) and r.capacity == 1.0
@@ -87,7 +84,10 @@ def paper_cmd(trace: str, policies: tuple[str, ...], ssd_gbps: float | None, dra
     how = "calibrated" if calibrated else "not calibrated" if fit_hit is not None else "given"
     out = Console(width=max(Console().width, 150))
     t = Table(title=f"AttentionStore (ATC '24) beside kvtier on {trace}: {len(tr.requests)} requests; "
-                    f"capacities x{scale:.4f} ({how}), think {kind} {think:g} s, SSD {ssd:g} GB/s, DRAM {dram:g} GB/s")
+                    f"capacities x{scale:.4f} ({how}), think {setup.think} {setup.think_mean_s:g} s "
+                    f"({'closed' if setup.closed_loop else 'open'} loop), decode "
+                    f"{setup.decode_s_per_token * 1e3:g} ms a token, SSD {setup.ssd_read_GBps:g} GB/s, "
+                    f"DRAM {setup.dram_read_GBps:g} GB/s")
     for col in ("model", "x", "DRAM", "SSD", "policy", "hit rate", "paper hit", "diff pts", "from DRAM",
                 "paper DRAM", "prefill saved", "TTFT s"):
         t.add_column(col, justify="left" if col in ("model", "policy") else "right", no_wrap=True)

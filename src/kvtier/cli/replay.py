@@ -36,7 +36,7 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
 
 
 _PAPER_PARAMS = frozenset({"trace", "more_policies", "policies", "ssd_gbps", "dram_gbps", "paper", "think_s",
-                           "think_kind", "capacity_scale", "models", "as_json"})
+                           "think_kind", "capacity_scale", "models", "decode_ms", "loop", "as_json"})
 """The options ``--paper`` takes; it refuses every other one given."""
 
 
@@ -91,6 +91,12 @@ _PAPER_PARAMS = frozenset({"trace", "more_policies", "policies", "ssd_gbps", "dr
                    "13B model's 86% hit rate].")
 @click.option("--models", default=None,
               help="--paper: models, a,b,c [default: llama-2-13b,llama-65b,llama-2-70b,falcon-40b].")
+@click.option("--decode-ms-per-token", "decode_ms", type=click.FloatRange(min=0), default=None,
+              help="--paper: server milliseconds each reply token takes (the server decodes too) "
+                   "[default: 0.5, where LRU comes closest to its published 58%].")
+@click.option("--loop", type=click.Choice(["closed", "open"]), default=None,
+              help="--paper: a session's next turn comes a think time after its reply (closed) or "
+                   "after its previous turn's arrival (open) [default: closed].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per run.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Draw hit ratio against DRAM capacity, one line per policy, to this PNG.")
@@ -100,7 +106,8 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
                hidden: int, params: float, tflops: float, dram_gbps: float, ssd_gbps: float,
                instances: int, ssd_codec: str, decode_gbps: float | None, sweep: bool, fractions: str,
                paper: str | None, think_s: float | None, think_kind: str | None, capacity_scale: float | None,
-               models: str | None, as_json: bool, plot_path: str | None) -> None:
+               models: str | None, decode_ms: float | None, loop: str | None, as_json: bool,
+               plot_path: str | None) -> None:
     """Replay a Mooncake-format TRACE through placement policies over DRAM (+ SSD)."""
     names = list(dict.fromkeys(n.strip() for p in (*policies, *more_policies) for n in p.split(",") if n.strip()))
     if paper:
@@ -112,10 +119,14 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
                                    f"{', '.join(given)}")
         from kvtier.cli.paper import paper_cmd
 
-        paper_cmd(trace, tuple(names), ssd_gbps, dram_gbps, think_s, think_kind, capacity_scale, models, as_json)
+        stated = {"ssd_read_GBps": ssd_gbps, "dram_read_GBps": dram_gbps, "think_mean_s": think_s,
+                  "think": think_kind, "closed_loop": None if loop is None else loop == "closed",
+                  "decode_s_per_token": None if decode_ms is None else decode_ms / 1e3}
+        paper_cmd(trace, tuple(names), {k: v for k, v in stated.items() if v is not None}, capacity_scale,
+                  models, as_json)
         return
     for flag, value in (("--think-s", think_s), ("--think", think_kind), ("--capacity-scale", capacity_scale),
-                        ("--models", models)):
+                        ("--models", models), ("--decode-ms-per-token", decode_ms), ("--loop", loop)):
         if value is not None:
             raise click.UsageError(f"{flag} applies only with --paper")
     names = names or ["lru"]
