@@ -26,10 +26,11 @@ from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.window import QueueWindow
 
 LOOKAHEAD = 32
-"""Queued requests ``cost`` and ``optimal`` hear of (``cost`` scans the chunks the window needs
-at each eviction, so a deep queue would make it slow)."""
+"""Queued requests the offline ``optimal`` hears of (it knows the future anyway; the hints only
+drive the replay's prefetch)."""
 QUEUE_LOOKAHEAD = 1 << 30
-"""AttentionStore's and ``returns``': every queued request, as the live store hears of them."""
+"""``attentionstore``'s, ``cost``'s and ``returns``': every queued request, as the live store
+hears of them."""
 
 
 class AttentionStorePolicy(LRUPolicy):

@@ -13,8 +13,11 @@ a chunk not used for a while falls behind newer ones in proportion to its value.
 along a sequence, a chunk's value is at least that of any later chunk (losing it loses them),
 and among equal priorities the deepest chunk goes first.
 
-Like ``attentionstore`` it protects the chunks the queued requests need (and the scheduler
-prefetches them). Admission: once the SSD tier has had to evict, a demoted chunk
+Like ``attentionstore`` it hears of the whole queue and protects the chunks the queued requests
+need (and the scheduler prefetches them): such a chunk leaves the heap the first time an
+eviction meets it and returns when no queued request needs it, so an eviction does not step
+over the same needed chunks again; when every candidate is needed, the one needed farthest
+goes. Admission: once the SSD tier has had to evict, a demoted chunk
 whose learned reuse probability is below ``MIN_ADMIT_P`` is not written to it (saving SSD
 writes); DRAM admits everything, since a chunk it refuses would be stored nowhere.
 """
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.policies.attentionstore import LOOKAHEAD
+from kvtier.core.policies.attentionstore import QUEUE_LOOKAHEAD
 from kvtier.core.policies.base import EvictionPolicy, TierContext
 from kvtier.core.policies.window import QueueWindow
 
@@ -95,7 +98,7 @@ class _ReuseModel:
 
 
 class CostPolicy(EvictionPolicy):
-    lookahead = LOOKAHEAD
+    lookahead = QUEUE_LOOKAHEAD
 
     def __init__(self, context: TierContext | None = None) -> None:
         self._ctx = context or TierContext()
@@ -109,13 +112,29 @@ class CostPolicy(EvictionPolicy):
         self._epoch = 0
         self._epochs_from_begin = False
         self._window = QueueWindow()
+        # Chunks queued requests need leave the heap for ``_held`` (their entry) the first time
+        # an eviction meets them, and go back when no queued request needs them any more; the
+        # farthest needed is the top of ``_far`` (-need, then the heap's own order).
+        self._held: dict[ChunkKey, tuple[float, int, int, ChunkKey]] = {}
+        self._far: list[tuple[int, float, int, int, ChunkKey]] = []
         self._pressed = False  # the tier has had to evict
 
     # -- scheduler hooks ----------------------------------------------------------------------
     def begin(self, seq: int, now: float) -> None:
         self._epochs_from_begin = True
         self._epoch = seq + 1
-        self._window.leave_through(seq)
+        window, held = self._window, self._held
+        for key in window.leave_through(seq):
+            entry = held.get(key)
+            if entry is None:
+                continue
+            need = window.next_need(key)
+            if need is None:
+                del held[key]
+                if self._resident.get(key) == entry[0]:
+                    heapq.heappush(self._heap, entry)
+            else:
+                heapq.heappush(self._far, (-need, *entry))
 
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         self._window.join(seq, keys)
@@ -217,32 +236,61 @@ class CostPolicy(EvictionPolicy):
 
     def remove(self, key: ChunkKey) -> None:
         self._resident.pop(key, None)
+        self._held.pop(key, None)
 
     def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        heap, resident, window = self._heap, self._resident, self._window
+        heap, resident, window, held = self._heap, self._resident, self._window, self._held
         self._pressed = True
         aside: list[tuple[float, int, int, ChunkKey]] = []
         found: ChunkKey | None = None
-        needed: list[tuple[int, ChunkKey, float]] = []
-        while heap:
-            entry = heapq.heappop(heap)
-            key = entry[3]
-            if resident.get(key) != entry[0]:
-                continue  # stale: removed, or queued again since
-            aside.append(entry)
-            if not evictable(key):
-                continue
-            need = window.next_need(key)
-            if need is None:
+        try:
+            while heap:
+                entry = heapq.heappop(heap)
+                key = entry[3]
+                if resident.get(key) != entry[0]:
+                    continue  # stale: removed, or queued again since
+                need = window.next_need(key)
+                if need is not None:  # needed soon: out of the heap until it is not
+                    kept = held.get(key)  # a key queued twice at one priority has two live
+                    if kept is None or resident.get(key) != kept[0] or entry < kept:  # entries: the first counts
+                        held[key] = entry
+                        heapq.heappush(self._far, (-need, *entry))
+                    continue
+                aside.append(entry)
+                if not evictable(key):
+                    continue
                 found = key
                 if entry[0] != FRESH:  # a chunk never touched must not inflate every priority
                     self._inflation = max(self._inflation, entry[0])
                 break
-            needed.append((need, key, entry[0]))
-        if found is None and needed:  # every candidate is needed soon: the farthest goes
-            _, found, _ = max(needed, key=lambda n: n[0])
-        for entry in aside:
-            heapq.heappush(heap, entry)
+        finally:
+            for entry in aside:
+                heapq.heappush(heap, entry)
+        if found is None:  # every candidate is needed soon: the farthest goes
+            found = self._farthest(evictable)
+        return found
+
+    def _farthest(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
+        far, held, resident, window = self._far, self._held, self._resident, self._window
+        aside = []
+        found = None
+        try:
+            while far:
+                top = far[0]
+                key, entry = top[4], top[1:]
+                if held.get(key) != entry or resident.get(key) != entry[0] or window.next_need(key) != -top[0]:
+                    heapq.heappop(far)  # stale
+                    continue
+                if evictable(key):
+                    found = key
+                    break
+                aside.append(heapq.heappop(far))
+        finally:
+            for top in aside:
+                heapq.heappush(far, top)
+        if len(far) > 4 * len(held) + 1024:
+            self._far = [t for t in far if held.get(t[4]) == t[1:] and window.next_need(t[4]) == -t[0]]
+            heapq.heapify(self._far)
         return found
 
     def __len__(self) -> int:
