@@ -45,6 +45,7 @@ class ScanCost(CostPolicy):
 def test_cost_holds_needed_chunks_aside_and_picks_the_victim_a_scan_picks(seed):
     rng = random.Random(seed)
     fast, scan = CostPolicy(), ScanCost()
+    fast.FAR_SLACK = 0  # rebuild the farthest-needed heap as soon as stale entries pile up
     held, pinned = [], set()
     queued = served = 0
     for _ in range(4000):
@@ -78,6 +79,10 @@ def test_cost_holds_needed_chunks_aside_and_picks_the_victim_a_scan_picks(seed):
                 p.begin(served, now=0.0)
         elif op < 0.85 and held:
             pinned ^= {rng.choice(held)}
+        elif op < 0.87:  # the structure: held chunks are resident and needed, _far stays bounded
+            for key in fast._held:
+                assert key in fast._resident and fast._window.next_need(key) is not None
+            assert len(fast._far) <= 4 * len(fast._held) + 6  # one begin's pushes past a trim
         else:
             ok = (frozenset(held) - pinned).__contains__
             a, b = fast.victim(ok), scan.victim(ok)

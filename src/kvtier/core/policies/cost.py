@@ -99,6 +99,8 @@ class _ReuseModel:
 
 class CostPolicy(EvictionPolicy):
     lookahead = QUEUE_LOOKAHEAD
+    FAR_SLACK = 1024
+    """Stale entries ``_far`` may hold beyond four per held chunk before it is rebuilt."""
 
     def __init__(self, context: TierContext | None = None) -> None:
         self._ctx = context or TierContext()
@@ -135,6 +137,16 @@ class CostPolicy(EvictionPolicy):
                     heapq.heappush(self._heap, entry)
             else:
                 heapq.heappush(self._far, (-need, *entry))
+        self._trim_far()
+
+    def _trim_far(self) -> None:
+        """Drop ``_far``'s stale entries once they outnumber the live ones (a shared prefix that
+        every queued request needs gets a new entry at each ``begin``)."""
+        far, held, resident, window = self._far, self._held, self._resident, self._window
+        if len(far) > 4 * len(held) + self.FAR_SLACK:
+            self._far = [t for t in far if held.get(t[4]) == t[1:] and resident.get(t[4]) == t[1]
+                         and window.next_need(t[4]) == -t[0]]
+            heapq.heapify(self._far)
 
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         self._window.join(seq, keys)
@@ -236,7 +248,8 @@ class CostPolicy(EvictionPolicy):
 
     def remove(self, key: ChunkKey) -> None:
         self._resident.pop(key, None)
-        self._held.pop(key, None)
+        if self._held.pop(key, None) is not None:
+            self._trim_far()
 
     def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         heap, resident, window, held = self._heap, self._resident, self._window, self._held
@@ -288,9 +301,7 @@ class CostPolicy(EvictionPolicy):
         finally:
             for top in aside:
                 heapq.heappush(far, top)
-        if len(far) > 4 * len(held) + 1024:
-            self._far = [t for t in far if held.get(t[4]) == t[1:] and window.next_need(t[4]) == -t[0]]
-            heapq.heapify(self._far)
+        self._trim_far()
         return found
 
     def __len__(self) -> int:
