@@ -110,6 +110,13 @@ CAPACITIES = (1.0, 0.25)
 THINK_KINDS = ("exponential", "fixed")
 
 
+def _check_think(think_mean_s: float, think: str) -> None:
+    if not think_mean_s > 0:
+        raise ValueError(f"think time must be positive, got {think_mean_s!r}")
+    if think not in THINK_KINDS:
+        raise ValueError(f"think must be one of {THINK_KINDS}, got {think!r}")
+
+
 @dataclass(frozen=True)
 class Setup:
     """What the paper does not state, as the replay sets it (see the module's text)."""
@@ -126,10 +133,7 @@ class Setup:
     turn's arrival (open: the queue then never delays a conversation's return)."""
 
     def __post_init__(self) -> None:
-        if not self.think_mean_s > 0:
-            raise ValueError(f"think time must be positive, got {self.think_mean_s!r}")
-        if self.think not in THINK_KINDS:
-            raise ValueError(f"think must be one of {THINK_KINDS}, got {self.think!r}")
+        _check_think(self.think_mean_s, self.think)
         for name in ("ssd_read_GBps", "dram_read_GBps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -147,10 +151,7 @@ def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "expon
     A closed-loop replay counts it from the previous turn's reply; ``arrival_s`` counts it from
     the previous turn's arrival (the open loop), and the first turn keeps its own. ValueError
     on a trace without sessions."""
-    if not think_mean_s > 0:
-        raise ValueError(f"think time must be positive, got {think_mean_s!r}")
-    if think not in THINK_KINDS:
-        raise ValueError(f"think must be one of {THINK_KINDS}, got {think!r}")
+    _check_think(think_mean_s, think)
     fixed = think == "fixed"
     rng = np.random.default_rng(seed)
     last: dict[object, float] = {}
@@ -276,6 +277,7 @@ def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
     prefill saved are not those of a closed loop."""
     check_models(models)
     timed = setup.timed(trace)
+    offline = setup.closed_loop and any(p not in LIVE_POLICIES for p in policies if p != "unlimited")
     unlimited: dict[str, ReplayResult] = {}
     out: list[PaperRow] = []
     for capacity in capacities:
@@ -291,7 +293,6 @@ def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
                         ahead = replay_served(timed, dataclasses.replace(config, policy="attentionstore"))
                     return ahead
 
-                offline = setup.closed_loop and any(p not in LIVE_POLICIES for p in policies if p != "unlimited")
                 for policy in dict.fromkeys(policies):
                     config = config_for(model, policy, dram_only, scale * capacity, setup)
                     if policy == "unlimited":

@@ -221,8 +221,10 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         # (AttentionStore's prefetching window). The window slides: it counts each queued
         # request's blocks (a shared prefix once per request), and a request whose prefetched
         # chunks were evicted before its turn is not prefetched again.
-        while fetched < announced and fetch_blocks + len(requests[queue.index(fetched)].keys) <= config.dram_blocks:
+        while fetched < announced:
             keys = requests[queue.index(fetched)].keys
+            if fetch_blocks + len(keys) > config.dram_blocks:
+                break
             place.prefetch(keys)
             fetch_blocks += len(keys)
             fetched += 1

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies.lru import LRUPolicy
-from kvtier.core.policies.window import QueueWindow
+from kvtier.core.policies.window import QueueWindow, top_evictable
 
 LOOKAHEAD = 32
 """Queued requests the offline ``optimal`` hears of (it knows the future anyway; the hints only
@@ -101,29 +101,9 @@ class AttentionStorePolicy(LRUPolicy):
 
     def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         stamp, window = self._stamp, self._window
-        found = self._top(self._free, evictable,
+        found = top_evictable(self._free, evictable,
                           lambda e: stamp.get(e[1]) == e[0] and window.next_need(e[1]) is None)
         if found is None:  # every candidate is needed: the farthest, the least recent among equals
-            found = self._top(self._far, evictable,
+            found = top_evictable(self._far, evictable,
                               lambda e: stamp.get(e[2]) == e[1] and window.next_need(e[2]) == -e[0])
-        return found
-
-    @staticmethod
-    def _top(heap: list, evictable: Callable[[ChunkKey], bool],
-             live: Callable[[tuple], bool]) -> ChunkKey | None:
-        aside = []
-        found = None
-        try:
-            while heap:
-                entry = heap[0]
-                if not live(entry):
-                    heapq.heappop(heap)
-                    continue
-                if evictable(entry[-1]):
-                    found = entry[-1]
-                    break
-                aside.append(heapq.heappop(heap))
-        finally:
-            for entry in aside:
-                heapq.heappush(heap, entry)
         return found

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies.attentionstore import QUEUE_LOOKAHEAD
 from kvtier.core.policies.base import EvictionPolicy, TierContext
-from kvtier.core.policies.window import QueueWindow
+from kvtier.core.policies.window import QueueWindow, top_evictable
 
 MAX_USES = 4
 MAX_TAIL = 4
@@ -139,13 +139,16 @@ class CostPolicy(EvictionPolicy):
                 heapq.heappush(self._far, (-need, *entry))
         self._trim_far()
 
+    def _far_live(self, top: tuple[int, float, int, int, ChunkKey]) -> bool:
+        key = top[4]
+        return self._held.get(key) == top[1:] and self._resident.get(key) == top[1] \
+            and self._window.next_need(key) == -top[0]
+
     def _trim_far(self) -> None:
         """Drop ``_far``'s stale entries once they outnumber the live ones (a shared prefix that
         every queued request needs gets a new entry at each ``begin``)."""
-        far, held, resident, window = self._far, self._held, self._resident, self._window
-        if len(far) > 4 * len(held) + self.FAR_SLACK:
-            self._far = [t for t in far if held.get(t[4]) == t[1:] and resident.get(t[4]) == t[1]
-                         and window.next_need(t[4]) == -t[0]]
+        if len(self._far) > 4 * len(self._held) + self.FAR_SLACK:
+            self._far = [t for t in self._far if self._far_live(t)]
             heapq.heapify(self._far)
 
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
@@ -284,23 +287,7 @@ class CostPolicy(EvictionPolicy):
         return found
 
     def _farthest(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        far, held, resident, window = self._far, self._held, self._resident, self._window
-        aside = []
-        found = None
-        try:
-            while far:
-                top = far[0]
-                key, entry = top[4], top[1:]
-                if held.get(key) != entry or resident.get(key) != entry[0] or window.next_need(key) != -top[0]:
-                    heapq.heappop(far)  # stale
-                    continue
-                if evictable(key):
-                    found = key
-                    break
-                aside.append(heapq.heappop(far))
-        finally:
-            for top in aside:
-                heapq.heappush(far, top)
+        found = top_evictable(self._far, evictable, self._far_live)
         self._trim_far()
         return found
 

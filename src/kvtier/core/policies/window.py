@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.core.keys import ChunkKey
 
@@ -87,3 +88,25 @@ class QueueWindow:
 
     def __len__(self) -> int:
         return len(self._queued)
+
+
+def top_evictable(heap: list[tuple], evictable: Callable[[ChunkKey], bool],
+                  live: Callable[[tuple], bool]) -> ChunkKey | None:
+    """The key (an entry's last field) of the first live, evictable entry of a lazy min-heap,
+    left in place; stale entries on the way are dropped, unevictable (pinned) ones kept."""
+    aside = []
+    found = None
+    try:
+        while heap:
+            entry = heap[0]
+            if not live(entry):
+                heapq.heappop(heap)
+                continue
+            if evictable(entry[-1]):
+                found = entry[-1]
+                break
+            aside.append(heapq.heappop(heap))
+    finally:
+        for entry in aside:
+            heapq.heappush(heap, entry)
+    return found
