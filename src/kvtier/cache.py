@@ -204,7 +204,7 @@ class ChunkCache:
         with self._section:
             seq = self._requests.queued(request_id)
             if self.placement.lookahead:
-                self.placement.hint(seq, list(keys))
+                self.placement.hint(seq, list(keys), time.monotonic())
         return self.prefetch(keys, use=seq, entry=entry, wait=wait)
 
     def started(self, request_id: str) -> int:
@@ -232,8 +232,12 @@ class ChunkCache:
         return self._requests.use_of(request_id)
 
     def finished(self, request_id: str) -> None:
+        """The request's reply is done (the policies hear when: a conversation's next turn
+        comes a think time after it)."""
         with self._section:
-            self._requests.finished(request_id)
+            seq = self._requests.finished(request_id)
+            if seq is not None:
+                self.placement.finished(seq, time.monotonic())
 
     # -- lookup -------------------------------------------------------------------------------
     def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 MAX_REQUESTS = 65536
-"""Requests remembered while queued, and while running, at most (the oldest are forgotten:
-a request announced and never started was aborted)."""
+"""Requests remembered while queued, while running, and once finished, at most (the oldest
+are forgotten: a request announced and never started was aborted)."""
 
 
 class Requests:
@@ -21,6 +21,9 @@ class Requests:
         self._next = 0
         self._waiting: OrderedDict[str, int] = OrderedDict()
         self._running: OrderedDict[str, int] = OrderedDict()
+        self._finished: OrderedDict[str, int] = OrderedDict()
+        """Requests finished lately: an engine may save a request's last chunks (its reply)
+        after saying it finished (vLLM's scheduler does), and those saves are still its use."""
 
     def _new(self) -> int:
         seq = self._next
@@ -31,6 +34,7 @@ class Requests:
         """The number of a request that arrived (the same one if it was announced before)."""
         seq = self._waiting.get(request_id)
         if seq is None:
+            self._finished.pop(request_id, None)  # the same name again: a new request
             seq = self._waiting[request_id] = self._new()
             while len(self._waiting) > MAX_REQUESTS:
                 self._waiting.popitem(last=False)
@@ -45,6 +49,7 @@ class Requests:
             if seq is not None:
                 return seq, False
             seq = self._new()
+        self._finished.pop(request_id, None)  # the same name again: a new request
         self._running[request_id] = seq
         while len(self._running) > MAX_REQUESTS:
             self._running.popitem(last=False)
@@ -54,8 +59,17 @@ class Requests:
         if request_id is None:
             return None
         seq = self._running.get(request_id)
-        return seq if seq is not None else self._waiting.get(request_id)
+        if seq is None:
+            seq = self._waiting.get(request_id)
+        return seq if seq is not None else self._finished.get(request_id)
 
-    def finished(self, request_id: str) -> None:
-        self._running.pop(request_id, None)
+    def finished(self, request_id: str) -> int | None:
+        """A request is done; its number if it had started (None: never started, forgotten, or
+        finished before). Its number still names its saves for a while (``MAX_REQUESTS``)."""
         self._waiting.pop(request_id, None)
+        seq = self._running.pop(request_id, None)
+        if seq is not None:
+            self._finished[request_id] = seq
+            while len(self._finished) > MAX_REQUESTS:
+                self._finished.popitem(last=False)
+        return seq

@@ -150,6 +150,9 @@ class KVStore:
         self.cache.started(request_id)
 
     def finished(self, request_id: str) -> None:
+        """The request's reply is done (call when the user has it; saves of its last chunks may
+        still follow with ``request=request_id``): a conversation's next turn comes a think
+        time after this, which ``returns`` learns."""
         self.cache.finished(request_id)
 
     def prefetch(self, keys: Sequence[ChunkKey], wait: bool = True) -> int:

@@ -140,6 +140,68 @@ def test_sessions_are_told_apart_without_ids_though_they_share_a_system_prompt()
     assert p._meta[k(1, 2)].group is sessions[0] and p._meta[k(2, 2)].group is sessions[1]
 
 
+def queued_turns(p: ReturnsPolicy, hooks: bool) -> ReturnsPolicy:
+    """Conversation 1 answers each reply after exactly 10 s, then waits behind a queue that
+    changes (0, 40, 5, 70 s) before it is served; its request takes 1 s. ``hooks``: the
+    scheduler says when each request arrived and when its reply was done."""
+    t = 0.0
+    for turn, wait in enumerate((0.0, 40.0, 5.0, 70.0)):
+        keys = seq(1, 2 + turn)
+        if hooks:
+            p.hint(turn, keys)
+            p.arrived(turn, t)
+        p.begin(turn, t + wait)
+        for i, key in enumerate(keys):
+            p.insert(key, i)
+        p.touch(keys, use=turn)
+        t += wait + 1.0
+        if hooks:
+            p.finished(turn, t)
+        t += 10.0  # the user reads, thinks and answers
+    return p
+
+
+def test_a_session_learns_its_think_time_from_reply_to_next_arrival_not_from_its_queueing():
+    g = queued_turns(ReturnsPolicy(), hooks=True)._sessions[0]
+    assert g.gaps == 3 and g.gap_sum == pytest.approx(30.0)  # 10 s each: the think time proper
+    assert g.regular and g.gap == pytest.approx(10.0)
+    assert g.anchor == 149.0 and g.due == pytest.approx(159.0)  # expected 10 s after its last reply
+    assert g.over < 160.5  # fixed think times: over soon after it is due, counted from the reply
+    # From request starts alone the same turns look 51, 16 and 81 s apart: queueing, not the user.
+    g = queued_turns(ReturnsPolicy(), hooks=False)._sessions[0]
+    assert g.gap_sum == pytest.approx(148.0) and not g.regular
+
+
+def test_a_think_time_counts_once_from_the_first_arrival_and_only_for_its_own_request():
+    p = ReturnsPolicy()
+    p.begin(0, 0.0)
+    for i, key in enumerate(seq(1, 2)):
+        p.insert(key, i)
+    p.touch(seq(1, 2), use=0)
+    p.finished(0, 2.0)
+    p.hint(1, seq(1, 3))
+    p.arrived(1, 12.0)
+    p.hint(1, seq(1, 3))  # announced again later: the first arrival counts
+    p.arrived(1, 30.0)
+    p.begin(1, 40.0)
+    p.touch(seq(1, 3), use=1)
+    g = p._sessions[0]
+    assert g.gaps == 1 and g.gap_sum == pytest.approx(10.0)
+    p.finished(1, 41.0)
+    p.hint(2, seq(1, 4))
+    p.arrived(2, 40.5)  # before the reply it answers was done: no think time
+    p.begin(2, 50.0)
+    p.touch(seq(1, 4), use=2)
+    assert g.gaps == 2 and g.gap_sum == pytest.approx(20.0)  # 10 s from the previous start
+    p.finished(2, 51.0)
+    p.hint(3, seq(1, 5))
+    p.arrived(3, 61.0)  # 10 s after the reply: a sample for request 3 only
+    p.begin(4, 70.0)  # another request uses the session first (3 was dropped)
+    p.touch(seq(1, 5), use=4)
+    assert g.gaps == 3 and g.gap_sum == pytest.approx(40.0)  # 20 s, from the start, not 10
+    assert g.think is None
+
+
 def regular_session_then_staged(p: ReturnsPolicy, d: Driver) -> None:
     """A turn of conversation 1 every 10 s (t = 0 ... 30), its chunks then evicted to SSD."""
     for turn, t in enumerate((0.0, 10.0, 20.0, 30.0)):
@@ -256,6 +318,38 @@ def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_
         assert store.snapshot()["prefetched"] >= 2
 
 
+@pytest.mark.parametrize("reply_saved_after_finished", [False, True], ids=["in-process", "vLLM order"])
+def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_was_done(
+        layout, tmp_path, monkeypatch, reply_saved_after_finished):
+    import kvtier.cache as cache_module
+
+    clock = Clock()
+    monkeypatch.setattr(cache_module, "time", clock)
+    c = layout.chunk_tokens
+    tokens = list(range(c))
+    with store_of(layout, host_chunks=8, disk_path=tmp_path) as store:
+        for turn, wait in enumerate((0.0, 30.0, 2.0)):  # queued 0, 30 and 2 s; 8 s to reply
+            name = f"alice-{turn}"
+            store.queued(name, store.keys_for(tokens))
+            clock.now += wait
+            store.started(name)
+            store.lookup(tokens, request=name)
+            store.save(tokens, make_kv(layout, len(tokens)), request=name)  # the prompt
+            tokens = tokens + list(range(100 * turn + 5000, 100 * turn + 5000 + c))
+            clock.now += 8.0
+            if reply_saved_after_finished:  # vLLM's scheduler says so before the worker saves
+                store.finished(name)
+            store.save(tokens, make_kv(layout, len(tokens)), request=name)  # the reply
+            if not reply_saved_after_finished:
+                store.finished(name)
+            clock.now += 12.0  # she reads and answers
+        sessions = list(store.cache.placement.policies[0]._sessions.values())
+        assert len(sessions) == 1  # the reply's save was her request's: one session, one use each
+        alice = sessions[0]
+        assert alice.uses == 3 and alice.gaps == 2
+        assert alice.gap_sum == pytest.approx(24.0)  # 12 s each, not 50 and 22
+
+
 @pytest.mark.parametrize("level", [0, 1])
 def test_every_hook_is_safe_on_an_empty_policy(level):
     p = ReturnsPolicy(TierContext(level=level))
@@ -263,3 +357,5 @@ def test_every_hook_is_safe_on_an_empty_policy(level):
     assert p.staging(0.0) == [] and p.victim(lambda key: True) is None and len(p) == 0
     p.touch([k(1)], start=3)
     p.remove(k(1))
+    p.arrived(5, 1.0)  # never hinted
+    p.finished(7, 2.0)  # never begun

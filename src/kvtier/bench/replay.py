@@ -3,7 +3,10 @@
 Each request of a :class:`~kvtier.bench.trace.Trace` is served FIFO by the first free of
 ``instances`` instances. At its start the policies hear ``begin``; the requests that have
 arrived by then (up to the policy's ``lookahead``: the whole queue for ``attentionstore`` and
-``returns``) are announced with ``hint``. While it computes, the head of the queue is prefetched
+``returns``) are announced with ``hint``; in a closed loop with their arrival times (``arrived``),
+a request served as it arrives is announced just before its ``begin``, and each request's end
+(its reply done) is told with ``finished``, so a policy can learn think times proper. (In an open
+loop a turn's arrival does not follow the reply, and neither is told.) While it computes, the head of the queue is prefetched
 into DRAM, as many requests as DRAM holds (prefetch is assumed to finish in the background
 before use). The request then does what an engine does with the store: ``lookup``, ``load``,
 ``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`: the live store's own
@@ -186,6 +189,7 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
     place = SimStore(pcfg, contexts)
     load_s = [config.load_s(lvl) for lvl in range(2)]
     lookahead = place.lookahead
+    closed = config.closed_loop  # the policies hear arrivals and replies: a user answers a reply
     requests = trace.requests
     n = len(requests)
     queue = _Queue(requests, config.closed_loop)
@@ -202,6 +206,8 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         req = requests[index]
         start = max(arrival, free[0])
         queue.arrive_by(start)
+        if closed and lookahead and announced <= seq:  # served as it arrives: it arrived all the same
+            place.hint(seq, req.keys, arrival)
         place.begin(seq, start)
         announced = max(seq, announced)
         if fetched <= seq:
@@ -213,7 +219,8 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
             announced == seq or queue.arrival(announced) <= start
         ):
             if lookahead and announced > seq:
-                place.hint(announced, requests[queue.index(announced)].keys)
+                place.hint(announced, requests[queue.index(announced)].keys,
+                           queue.arrival(announced) if closed else None)
             announced += 1
         hit = place.lookup(req.keys)
         sources = place.load(hit)
@@ -250,6 +257,8 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
             else work + load
         decode = req.output_length * config.decode_s_per_token
         heapq.heapreplace(free, start + service + decode)
+        if closed:
+            place.finished(seq, start + service + decode)
         ttft[seq] = start + service - arrival
         if nxt is not None:
             queue.reply_done(nxt, start + service + decode)

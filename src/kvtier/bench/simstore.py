@@ -129,8 +129,11 @@ class SimStore:
     def begin(self, seq: int, now: float) -> None:
         self.placement.begin(seq, now)
 
-    def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
-        self.placement.hint(seq, keys)
+    def hint(self, seq: int, keys: Sequence[ChunkKey], now: float | None = None) -> None:
+        self.placement.hint(seq, keys, now)
+
+    def finished(self, seq: int, now: float) -> None:
+        self.placement.finished(seq, now)
 
     def staging(self, now: float) -> list[Sequence[ChunkKey]]:
         return self.placement.staging(now)

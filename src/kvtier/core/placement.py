@@ -171,9 +171,17 @@ class Placement:
         for policy in self.policies:
             policy.begin(seq, now)
 
-    def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
+    def hint(self, seq: int, keys: Sequence[ChunkKey], now: float | None = None) -> None:
+        """Request ``seq`` is queued and will need ``keys``; ``now``: when it arrived."""
         for policy in self.policies:
             policy.hint(seq, keys)
+            if now is not None:
+                policy.arrived(seq, now)
+
+    def finished(self, seq: int, now: float) -> None:
+        """Request ``seq``'s reply was done at ``now``."""
+        for policy in self.policies:
+            policy.finished(seq, now)
 
     def staging(self, now: float) -> list[Sequence[ChunkKey]]:
         """What the DRAM policy wants prefetched now, ahead of any request (after ``begin``);

@@ -28,6 +28,12 @@ Optional scheduler hooks (defaults do nothing), for policies that look at the re
 - ``hint(seq, keys)`` when request ``seq``, arrived but not yet served, is known to need ``keys``
   (prefix order). Only policies with ``lookahead > 0`` get hints: the scheduler announces up to
   ``lookahead`` queued requests, and also prefetches their chunks into DRAM;
+- ``arrived(seq, now)`` right after a hint, when the scheduler knows when the request arrived
+  (the live store, and the replay in a closed loop), and ``finished(seq, now)`` when a
+  request's reply is done (the live store's ``finished``; the replay in a closed loop): a
+  conversation's next turn arrives a think time after the reply to its last one. An engine may
+  still save the finished request's last chunks (vLLM's connector does): those touches carry
+  its ``use`` all the same;
 - ``staging(now)``, asked of the DRAM tier's policy at each ``begin`` (with its ``now``), only
   when there is a lower tier to bring chunks from: the sequences (prefix order) it wants in
   DRAM now, ahead of any request for them (a conversation predicted to come back soon). The
@@ -116,6 +122,14 @@ class EvictionPolicy(ABC):
 
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         """Request ``seq``, queued, will need ``keys``; it leaves the queue at ``begin(seq)``."""
+
+    def arrived(self, seq: int, now: float) -> None:
+        """Request ``seq`` (just announced with :meth:`hint`) arrived at ``now`` seconds (on the
+        clock of ``begin``)."""
+
+    def finished(self, seq: int, now: float) -> None:
+        """Request ``seq``'s reply was done at ``now`` seconds: its user reads it, and a
+        conversation's next turn comes a think time after this."""
 
     def staging(self, now: float) -> list[Sequence[ChunkKey]]:
         """Sequences to prefetch into DRAM now (prefix order), ahead of any request for them;
