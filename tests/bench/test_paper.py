@@ -35,6 +35,29 @@ def sessions_lines() -> list[str]:
     return lines
 
 
+def test_per_session_think_times_give_each_session_a_pace_of_its_own():
+    import json
+
+    import numpy as np
+
+    # 60 sessions of 9 turns: enough to tell a session's pace from its spread around it
+    lines = [json.dumps({"timestamp": 1000 * s + turn, "input_length": 512 * (turn + 1), "output_length": 8,
+                         "hash_ids": list(range(100 * s, 100 * s + turn + 1)), "session_id": s})
+             for s in range(60) for turn in range(9)]
+    timed = paper.retime(parse_trace(sorted(lines, key=lambda x: json.loads(x)["timestamp"])), 60.0, seed=2,
+                         think="per-session")
+    thinks: dict[object, list[float]] = {}
+    for r in timed.requests:
+        if r.think_s is not None:
+            thinks.setdefault(r.session_id, []).append(r.think_s)
+    long = [np.array(t) for t in thinks.values()]
+    assert len(long) == 60 and all(len(t) == 8 for t in long)
+    within = np.mean([np.var(t, ddof=1) / np.mean(t) ** 2 for t in long]) ** 0.5
+    assert within == pytest.approx(0.5, abs=0.15)  # gamma of shape 4 around the session's pace
+    assert np.std(np.log([t.mean() for t in long])) > 0.3  # users differ
+    assert np.mean(np.concatenate(long)) == pytest.approx(60.0, rel=0.25)
+
+
 def test_the_papers_models_have_the_kv_sizes_it_states():
     sizes = {name: round(m.kv_mb_per_token, 2) for name, m in paper.MODELS.items()}
     assert sizes == {"llama-2-13b": 0.78, "llama-65b": 2.5, "llama-2-70b": 0.31, "falcon-40b": 0.12}
@@ -102,13 +125,14 @@ def test_unlimited_finds_every_saved_block_and_bounds_the_policies():
 def test_calibration_finds_the_scale_that_hits_the_published_rate():
     trace = sessions_trace()
     seen = []
-    cal = paper.calibrate(trace, rounds=14, progress=lambda s, h: seen.append((s, h)))
+    memoryless = paper.Setup(think="exponential")  # on this small trace the hit rate moves smoothly
+    cal = paper.calibrate(trace, memoryless, rounds=14, progress=lambda s, h: seen.append((s, h)))
     assert len(seen) == 15 and 1e-3 < cal.scale < 1.0 and seen[-1] == (cal.scale, cal.hit_rate)
     name, policy, dram_only, target = paper.CALIBRATE_ON
     got = paper.replay(paper.retime(trace, paper.THINK_S),
                        paper.config_for(paper.MODELS[name], policy, dram_only, cal.scale)).hit_rate
     assert got == cal.hit_rate == pytest.approx(target, abs=0.01) and cal.reached
-    far = paper.calibrate(trace, rounds=4, lo=1e-3, hi=2e-3)  # too little capacity for 86%
+    far = paper.calibrate(trace, memoryless, rounds=4, lo=1e-3, hi=2e-3)  # too little capacity for 86%
     assert not far.reached and far.hit_rate < target - 0.1
     with pytest.raises(ValueError, match="lo < hi"):
         paper.calibrate(trace, lo=1.0, hi=0.5)
@@ -163,7 +187,8 @@ def test_the_cli_prints_the_papers_figures_beside_kvtiers(tmp_path):
     assert headline["paper_hit_rate"] == 0.86 and headline["model"] == "llama-2-13b"
 
     res = CliRunner(env={"COLUMNS": "250"}).invoke(main, ["replay", path, "--paper", "attentionstore", "--models", "falcon-40b",
-                                    "--policy", "lru,attentionstore", "--ssd-gbps", "10"])
+                                    "--policy", "lru,attentionstore", "--ssd-gbps", "10",
+                                    "--think", "exponential"])
     assert res.exit_code == 0, res.output
     assert "calibrating the capacity scale on llama-2-13b" in res.stderr
     assert "AttentionStore (ATC '24) beside kvtier" in res.stdout and "falcon-40b" in res.stdout
@@ -208,7 +233,7 @@ def test_a_queue_hurts_lru_only_in_a_closed_loop_and_attentionstore_keeps_the_qu
     trace, model = sessions_trace(), paper.MODELS["llama-2-13b"]
 
     def hit(policy: str, closed: bool, decode: float) -> float:
-        setup = paper.Setup(closed_loop=closed, decode_s_per_token=decode)
+        setup = paper.Setup(think="exponential", closed_loop=closed, decode_s_per_token=decode)
         return paper.replay(setup.timed(trace), paper.config_for(model, policy, False, 0.005, setup)).hit_rate
 
     # Open loop: the order of requests is the trace's, whatever the queue, and LRU sees only order.

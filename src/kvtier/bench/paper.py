@@ -19,8 +19,9 @@ to the paper's -- by bisection on one published figure (:data:`CALIBRATE_ON`: th
 DRAM and SSD under AttentionStore's policy, 86%), and predicts every other figure with it. The
 server also decodes: a reply token costs it :data:`DECODE_S_PER_TOKEN`, fitted by hand once to
 a second figure (LRU's 58% on the 13B model). The rest is stated (:class:`Setup`): think times
-exponential with a mean of :data:`THINK_S` (it trades off with the scale), each counted from
-the previous turn's reply (a closed loop: a user answers a reply, so behind a queue a
+with a mean of :data:`THINK_S` (it trades off with the scale), by default ``per-session`` (each
+user answers at a pace of their own, which varies between users, and their gaps vary around
+it: :data:`THINK_KIND`), each counted from the previous turn's reply (a closed loop: a user answers a reply, so behind a queue a
 conversation comes back later), the SSD's read bandwidth (:data:`SSD_GBPS`), one server. Loads
 overlap compute layer by layer, as in AttentionStore and kvtier. What the replay reproduces and
 what it does not, with the reasons, is in the README ("AttentionStore's evaluation on real
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.bench.replay import ReplayConfig, ReplayResult, replay, replay_served
+from kvtier.bench.sharegpt_trace import PACE_SHAPE, PACE_SIGMA
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
 from kvtier.core.cost_model import ComputeModel
 from kvtier.core.layout import KVLayout
@@ -47,8 +49,14 @@ SSD_BYTES = 10 * 10**12
 GPU_FLOPS = 4 * 312e12 * 0.5
 """Four A100s (the paper's server) at half their peak bf16 rate during prefill."""
 THINK_S = 60.0
-"""Mean think time (exponential) between a reply and the session's next turn: not in the paper
-(see the module's text)."""
+"""Mean think time between a reply and the session's next turn: not in the paper (see the
+module's text)."""
+THINK_KIND = "per-session"
+"""How think times are drawn by default (:func:`retime`): not in the paper. Each session's own
+pace, lognormal around :data:`THINK_S`, and gaps gamma of shape 4 around it: users differ, and
+a user's think times vary less than users do. With it, one fitted capacity scale puts the 13B
+model's LRU at 57.9% and FIFO at 50.8% beside the paper's 58% and 48% (with memoryless,
+``exponential`` think times 60.3% and 54.5%: everything else the same, the scale refitted)."""
 DRAM_GBPS = 80.0
 """DRAM -> accelerator bandwidth, GB/s: four A100s, each loading its share over its own PCIe 4.0
 x16 link at about 20 GB/s."""
@@ -58,9 +66,9 @@ this rate a 13B block (400 MB) loads in about the time its recompute takes (20 v
 DECODE_S_PER_TOKEN = 0.5e-3
 """Server seconds a reply token costs: the server decodes as well as prefills, and a decode
 step of its batch takes its share. Not in the paper; fitted by hand to LRU's published 58% on
-the 13B model (the scale refitted to AttentionStore's 86% at each value): LRU's hit rate is
-72.7% without decoding, 61.8% at 0.3 ms, 60.3% at 0.5 ms (its lowest), 61.6% at 0.7 ms and
-62.1% at 1 ms. A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
+the 13B model (the scale refitted to AttentionStore's 86% at each value), with exponential think
+times: LRU's hit rate is 72.7% without decoding, 61.8% at 0.3 ms, 60.3% at 0.5 ms (its lowest),
+61.6% at 0.7 ms and 62.1% at 1 ms (with the default per-session ones, 57.9% at 0.5 ms). A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
 for the batch and each sequence's KV (about 4.8 GB at these sessions' mean 6.2K-token prompt),
 which puts the physical figure near 0.6-1.2 ms at half the HBM bandwidth."""
 
@@ -107,7 +115,8 @@ CAPACITIES = (1.0, 0.25)
 """The paper's capacities (after calibration) and a quarter of them."""
 
 
-THINK_KINDS = ("exponential", "fixed")
+THINK_KINDS = ("exponential", "fixed", "per-session")
+"""As in :data:`kvtier.bench.sharegpt_trace.THINK_TIMES`."""
 
 
 def _check_think(think_mean_s: float, think: str) -> None:
@@ -122,7 +131,7 @@ class Setup:
     """What the paper does not state, as the replay sets it (see the module's text)."""
 
     think_mean_s: float = THINK_S
-    think: str = "exponential"
+    think: str = THINK_KIND
     seed: int = 0
     """Of the think times drawn."""
     ssd_read_GBps: float = SSD_GBPS
@@ -147,21 +156,33 @@ class Setup:
 def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "exponential") -> Trace:
     """``trace`` (a sessions trace: every request names its session) with each session's later
     turns re-timed: each later turn gets a think time (its ``think_s``), exponential of mean
-    ``think_mean_s`` (memoryless: nothing tells when a session comes back) or ``fixed`` at it.
+    ``think_mean_s`` (memoryless: nothing tells when a session comes back), ``fixed`` at it,
+    or ``per-session``: each session its own pace (users differ) and gaps that vary around it
+    (:attr:`~kvtier.bench.sharegpt_trace.ShareGPTTraceConfig.think`).
     A closed-loop replay counts it from the previous turn's reply; ``arrival_s`` counts it from
     the previous turn's arrival (the open loop), and the first turn keeps its own. ValueError
     on a trace without sessions."""
     _check_think(think_mean_s, think)
-    fixed = think == "fixed"
     rng = np.random.default_rng(seed)
     last: dict[object, float] = {}
+    paces: dict[object, float] = {}
+
+    def think_s(sid: object) -> float:
+        if think == "fixed":
+            return think_mean_s
+        if think == "exponential":
+            return float(rng.exponential(think_mean_s))
+        if sid not in paces:
+            paces[sid] = think_mean_s * float(rng.lognormal(-PACE_SIGMA * PACE_SIGMA / 2, PACE_SIGMA))
+        return float(rng.gamma(PACE_SHAPE, paces[sid] / PACE_SHAPE))
+
     timed: list[tuple[float, int, Request]] = []
     for i, req in enumerate(trace.requests):
         if req.session_id is None:
             raise ValueError("the paper's replay needs a trace that names sessions "
                              "(kvtier bench workload-sharegpt writes one)")
         sid = req.session_id
-        gap = None if sid not in last else think_mean_s if fixed else float(rng.exponential(think_mean_s))
+        gap = None if sid not in last else think_s(sid)
         at = req.arrival_s if gap is None else last[sid] + gap
         last[sid] = at
         timed.append((at, i, dataclasses.replace(req, arrival_s=at, think_s=gap)))

@@ -83,9 +83,10 @@ _PAPER_PARAMS = frozenset({"trace", "more_policies", "policies", "ssd_gbps", "dr
                    "Of the model, capacity and hardware options above only --ssd-gbps and "
                    "--dram-gbps apply.")
 @click.option("--think-s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="--paper: mean think time between turns, s (exponential) [default: 60].")
-@click.option("--think", "think_kind", type=click.Choice(["exponential", "fixed"]), default=None,
-              help="--paper: think times exponential (memoryless) or fixed at --think-s [default: exponential].")
+              help="--paper: mean think time between turns, s [default: 60].")
+@click.option("--think", "think_kind", type=click.Choice(["exponential", "fixed", "per-session"]), default=None,
+              help="--paper: think times exponential (memoryless), fixed at --think-s, or per-session (each "
+                   "user a pace around --think-s, gaps gamma around it) [default: per-session].")
 @click.option("--capacity-scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="--paper: the paper's capacities times this [default: calibrated on the "
                    "13B model's 86% hit rate].")
