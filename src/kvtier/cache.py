@@ -226,10 +226,11 @@ class ChunkCache:
             self.prefetch(keys, wait=False)
         return seq
 
-    def use_of(self, request_id: str | None) -> int | None:
-        """The number of a queued or started request (None for an unknown one). Two dict reads,
+    def use_of(self, request_id: str | None, *, finished: bool = False) -> int | None:
+        """The number of a queued or started request, with ``finished`` also of one finished
+        lately (a save of its reply after its end); None for an unknown one. A few dict reads,
         without the lock: a lookup does not wait for it."""
-        return self._requests.use_of(request_id)
+        return self._requests.use_of(request_id, finished=finished)
 
     def finished(self, request_id: str) -> None:
         """The request's reply is done (the policies hear when: a conversation's next turn

@@ -23,7 +23,8 @@ class Requests:
         self._running: OrderedDict[str, int] = OrderedDict()
         self._finished: OrderedDict[str, int] = OrderedDict()
         """Requests finished lately: an engine may save a request's last chunks (its reply)
-        after saying it finished (vLLM's scheduler does), and those saves are still its use."""
+        after saying it finished (vLLM's scheduler does), and those saves are still its use
+        (``use_of(..., finished=True)``)."""
 
     def _new(self) -> int:
         seq = self._next
@@ -55,13 +56,16 @@ class Requests:
             self._running.popitem(last=False)
         return seq, True
 
-    def use_of(self, request_id: str | None) -> int | None:
+    def use_of(self, request_id: str | None, *, finished: bool = False) -> int | None:
+        """A queued or running request's number; with ``finished`` also a finished one's (for
+        the saves of its last chunks: a lookup under a name that finished is a new request's,
+        announced late, as after an engine's restart)."""
         if request_id is None:
             return None
         seq = self._running.get(request_id)
         if seq is None:
             seq = self._waiting.get(request_id)
-        return seq if seq is not None else self._finished.get(request_id)
+        return seq if seq is not None or not finished else self._finished.get(request_id)
 
     def finished(self, request_id: str) -> int | None:
         """A request is done; its number if it had started (None: never started, forgotten, or

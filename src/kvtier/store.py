@@ -303,7 +303,7 @@ class KVStore:
             done = self.cache.commit(res, position=i)
             stored += bool(done)
             pending.append(done)
-        self.cache.touch(keys, use=self.cache.use_of(request))
+        self.cache.touch(keys, use=self.cache.use_of(request, finished=True))
         self.cache.count(dedup_chunks=present, busy_chunks=busy, dropped_chunks=dropped)
         wait_all(pending)
         return SaveResult(stored=stored, present=present, dropped=dropped, busy=busy)

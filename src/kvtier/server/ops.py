@@ -125,7 +125,7 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     if lease_id in session.leases:
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
-    lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req, session))
+    lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req, session, finished=True))
     slots: list[int] = []
     present = busy = 0
     deadline = _deadline(req)
