@@ -202,6 +202,22 @@ def test_a_think_time_counts_once_from_the_first_arrival_and_only_for_its_own_re
     assert g.think is None
 
 
+def test_a_long_reply_moves_when_a_session_is_over_and_it_is_not_counted_over_before_that():
+    p = ReturnsPolicy()
+    p.begin(0, 0.0)
+    for i, key in enumerate(seq(1, 2)):
+        p.insert(key, i)
+    p.touch(seq(1, 2), use=0)
+    g = p._sessions[0]
+    over_from_start = g.over
+    p.finished(0, 50.0)  # the reply took 50 s: the user starts thinking only then
+    assert g.over == pytest.approx(over_from_start + 50.0)
+    p.begin(1, over_from_start + 10.0)
+    assert g.ended == -1  # not over yet: no "never came back" counted for its class
+    p.begin(2, g.over + 1.0)
+    assert g.ended == g.uses
+
+
 def regular_session_then_staged(p: ReturnsPolicy, d: Driver) -> None:
     """A turn of conversation 1 every 10 s (t = 0 ... 30), its chunks then evicted to SSD."""
     for turn, t in enumerate((0.0, 10.0, 20.0, 30.0)):
@@ -339,12 +355,14 @@ def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_
             clock.now += 8.0
             if reply_saved_after_finished:  # vLLM's scheduler says so before the worker saves
                 store.finished(name)
+                store.started(f"bob-{turn}")  # and serves another request meanwhile
             store.save(tokens, make_kv(layout, len(tokens)), request=name)  # the reply
             if not reply_saved_after_finished:
                 store.finished(name)
             clock.now += 12.0  # she reads and answers
         sessions = list(store.cache.placement.policies[0]._sessions.values())
         assert len(sessions) == 1  # the reply's save was her request's: one session, one use each
+        # (bob's requests touch nothing of their own)
         alice = sessions[0]
         assert alice.uses == 3 and alice.gaps == 2
         assert alice.gap_sum == pytest.approx(24.0)  # 12 s each, not 50 and 22
