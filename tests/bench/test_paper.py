@@ -56,6 +56,7 @@ def test_per_session_think_times_give_each_session_a_pace_of_its_own():
     assert within == pytest.approx(0.5, abs=0.15)  # gamma of shape 4 around the session's pace
     assert np.std(np.log([t.mean() for t in long])) > 0.3  # users differ
     assert np.mean(np.concatenate(long)) == pytest.approx(60.0, rel=0.25)
+    assert paper.Setup().think == paper.THINK_KIND == "per-session"  # the replay's default
 
 
 def test_the_papers_models_have_the_kv_sizes_it_states():
@@ -129,7 +130,7 @@ def test_calibration_finds_the_scale_that_hits_the_published_rate():
     cal = paper.calibrate(trace, memoryless, rounds=14, progress=lambda s, h: seen.append((s, h)))
     assert len(seen) == 15 and 1e-3 < cal.scale < 1.0 and seen[-1] == (cal.scale, cal.hit_rate)
     name, policy, dram_only, target = paper.CALIBRATE_ON
-    got = paper.replay(paper.retime(trace, paper.THINK_S),
+    got = paper.replay(paper.retime(trace, paper.THINK_S, think="exponential"),
                        paper.config_for(paper.MODELS[name], policy, dram_only, cal.scale)).hit_rate
     assert got == cal.hit_rate == pytest.approx(target, abs=0.01) and cal.reached
     far = paper.calibrate(trace, memoryless, rounds=4, lo=1e-3, hi=2e-3)  # too little capacity for 86%

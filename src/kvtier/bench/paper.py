@@ -153,7 +153,7 @@ class Setup:
         return retime(trace, self.think_mean_s, self.seed, self.think)
 
 
-def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = "exponential") -> Trace:
+def retime(trace: Trace, think_mean_s: float, seed: int = 0, think: str = THINK_KIND) -> Trace:
     """``trace`` (a sessions trace: every request names its session) with each session's later
     turns re-timed: each later turn gets a think time (its ``think_s``), exponential of mean
     ``think_mean_s`` (memoryless: nothing tells when a session comes back), ``fixed`` at it,
@@ -223,7 +223,9 @@ def calibrate(trace: Trace, setup: Setup = Setup(), lo: float = 1e-3, hi: float 
               progress: Callable[[float, float], None] | None = None) -> Calibration:
     """The capacity scale at which :data:`CALIBRATE_ON`'s replay hits its published rate
     (bisection on a log scale between ``lo`` and ``hi``: more capacity, more hits), with the
-    hit rate replayed there and whether it is within ``tolerance`` of the target."""
+    hit rate replayed there and whether it is within ``tolerance`` of the target. The bisection
+    assumes the hit rate grows with capacity; on a small trace it may step back (a block more
+    can change what the queue does), and then ``reached`` says so."""
     if not 0 < lo < hi:
         raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
     name, policy, dram_only, target = CALIBRATE_ON
