@@ -149,7 +149,7 @@ def queued_turns(p: ReturnsPolicy, hooks: bool) -> ReturnsPolicy:
         keys = seq(1, 2 + turn)
         if hooks:
             p.hint(turn, keys)
-            p.arrived(turn, t)
+            p.arrived(turn, keys, t)
         p.begin(turn, t + wait)
         for i, key in enumerate(keys):
             p.insert(key, i)
@@ -180,22 +180,22 @@ def test_a_think_time_counts_once_from_the_first_arrival_and_only_for_its_own_re
     p.touch(seq(1, 2), use=0)
     p.finished(0, 2.0)
     p.hint(1, seq(1, 3))
-    p.arrived(1, 12.0)
+    p.arrived(1, seq(1, 3), 12.0)
     p.hint(1, seq(1, 3))  # announced again later: the first arrival counts
-    p.arrived(1, 30.0)
+    p.arrived(1, seq(1, 3), 30.0)
     p.begin(1, 40.0)
     p.touch(seq(1, 3), use=1)
     g = p._sessions[0]
     assert g.gaps == 1 and g.gap_sum == pytest.approx(10.0)
     p.finished(1, 41.0)
     p.hint(2, seq(1, 4))
-    p.arrived(2, 40.5)  # before the reply it answers was done: no think time
+    p.arrived(2, seq(1, 4), 40.5)  # before the reply it answers was done: no think time
     p.begin(2, 50.0)
     p.touch(seq(1, 4), use=2)
     assert g.gaps == 2 and g.gap_sum == pytest.approx(20.0)  # 10 s from the previous start
     p.finished(2, 51.0)
     p.hint(3, seq(1, 5))
-    p.arrived(3, 61.0)  # 10 s after the reply: a sample for request 3 only
+    p.arrived(3, seq(1, 5), 61.0)  # 10 s after the reply: a sample for request 3 only
     p.begin(4, 70.0)  # another request uses the session first (3 was dropped)
     p.touch(seq(1, 5), use=4)
     assert g.gaps == 3 and g.gap_sum == pytest.approx(40.0)  # 20 s, from the start, not 10
@@ -375,5 +375,5 @@ def test_every_hook_is_safe_on_an_empty_policy(level):
     assert p.staging(0.0) == [] and p.victim(lambda key: True) is None and len(p) == 0
     p.touch([k(1)], start=3)
     p.remove(k(1))
-    p.arrived(5, 1.0)  # never hinted
+    p.arrived(5, [k(1)], 1.0)  # never hinted, keys never seen
     p.finished(7, 2.0)  # never begun

@@ -176,7 +176,7 @@ class Placement:
         for policy in self.policies:
             policy.hint(seq, keys)
             if now is not None:
-                policy.arrived(seq, now)
+                policy.arrived(seq, keys, now)
 
     def finished(self, seq: int, now: float) -> None:
         """Request ``seq``'s reply was done at ``now``."""

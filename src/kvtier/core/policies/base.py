@@ -28,7 +28,7 @@ Optional scheduler hooks (defaults do nothing), for policies that look at the re
 - ``hint(seq, keys)`` when request ``seq``, arrived but not yet served, is known to need ``keys``
   (prefix order). Only policies with ``lookahead > 0`` get hints: the scheduler announces up to
   ``lookahead`` queued requests, and also prefetches their chunks into DRAM;
-- ``arrived(seq, now)`` right after a hint, when the scheduler knows when the request arrived
+- ``arrived(seq, keys, now)`` right after a hint, when the scheduler knows when the request arrived
   (the live store, and the replay in a closed loop), and ``finished(seq, now)`` when a
   request's reply is done (the live store's ``finished``; the replay in a closed loop): a
   conversation's next turn arrives a think time after the reply to its last one. An engine may
@@ -123,9 +123,9 @@ class EvictionPolicy(ABC):
     def hint(self, seq: int, keys: Sequence[ChunkKey]) -> None:
         """Request ``seq``, queued, will need ``keys``; it leaves the queue at ``begin(seq)``."""
 
-    def arrived(self, seq: int, now: float) -> None:
-        """Request ``seq`` (just announced with :meth:`hint`) arrived at ``now`` seconds (on the
-        clock of ``begin``)."""
+    def arrived(self, seq: int, keys: Sequence[ChunkKey], now: float) -> None:
+        """Request ``seq`` (just announced with :meth:`hint`, needing ``keys``) arrived at
+        ``now`` seconds (on the clock of ``begin``)."""
 
     def finished(self, seq: int, now: float) -> None:
         """Request ``seq``'s reply was done at ``now`` seconds: its user reads it, and a
