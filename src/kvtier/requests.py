@@ -16,6 +16,13 @@ MAX_REQUESTS = 65536
 are forgotten: a request announced and never started was aborted)."""
 
 
+def _remember(requests: OrderedDict[str, int], request_id: str, seq: int) -> None:
+    """``requests[request_id] = seq``, the oldest forgotten past ``MAX_REQUESTS``."""
+    requests[request_id] = seq
+    while len(requests) > MAX_REQUESTS:
+        requests.popitem(last=False)
+
+
 class Requests:
     def __init__(self) -> None:
         self._next = 0
@@ -36,9 +43,8 @@ class Requests:
         seq = self._waiting.get(request_id)
         if seq is None:
             self._finished.pop(request_id, None)  # the same name again: a new request
-            seq = self._waiting[request_id] = self._new()
-            while len(self._waiting) > MAX_REQUESTS:
-                self._waiting.popitem(last=False)
+            seq = self._new()
+            _remember(self._waiting, request_id, seq)
         return seq
 
     def started(self, request_id: str) -> tuple[int, bool]:
@@ -51,9 +57,7 @@ class Requests:
                 return seq, False
             seq = self._new()
         self._finished.pop(request_id, None)  # the same name again: a new request
-        self._running[request_id] = seq
-        while len(self._running) > MAX_REQUESTS:
-            self._running.popitem(last=False)
+        _remember(self._running, request_id, seq)
         return seq, True
 
     def use_of(self, request_id: str | None, *, finished: bool = False) -> int | None:
@@ -73,7 +77,5 @@ class Requests:
         self._waiting.pop(request_id, None)
         seq = self._running.pop(request_id, None)
         if seq is not None:
-            self._finished[request_id] = seq
-            while len(self._finished) > MAX_REQUESTS:
-                self._finished.popitem(last=False)
+            _remember(self._finished, request_id, seq)
         return seq

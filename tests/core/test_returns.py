@@ -140,6 +140,14 @@ def test_sessions_are_told_apart_without_ids_though_they_share_a_system_prompt()
     assert p._meta[k(1, 2)].group is sessions[0] and p._meta[k(2, 2)].group is sessions[1]
 
 
+def serve(p: ReturnsPolicy, request: int, now: float, keys: list[bytes]) -> None:
+    """Request ``request`` begins at ``now`` and saves ``keys``, its touches naming it."""
+    p.begin(request, now)
+    for i, key in enumerate(keys):
+        p.insert(key, i)
+    p.touch(keys, use=request)
+
+
 def queued_turns(p: ReturnsPolicy, hooks: bool) -> ReturnsPolicy:
     """Conversation 1 answers each reply after exactly 10 s, then waits behind a queue that
     changes (0, 40, 5, 70 s) before it is served; its request takes 1 s. ``hooks``: the
@@ -150,10 +158,7 @@ def queued_turns(p: ReturnsPolicy, hooks: bool) -> ReturnsPolicy:
         if hooks:
             p.hint(turn, keys)
             p.arrived(turn, keys, t)
-        p.begin(turn, t + wait)
-        for i, key in enumerate(keys):
-            p.insert(key, i)
-        p.touch(keys, use=turn)
+        serve(p, turn, t + wait, keys)
         t += wait + 1.0
         if hooks:
             p.finished(turn, t)
@@ -174,10 +179,7 @@ def test_a_session_learns_its_think_time_from_reply_to_next_arrival_not_from_its
 
 def test_a_think_time_counts_once_from_the_first_arrival_and_only_for_its_own_request():
     p = ReturnsPolicy()
-    p.begin(0, 0.0)
-    for i, key in enumerate(seq(1, 2)):
-        p.insert(key, i)
-    p.touch(seq(1, 2), use=0)
+    serve(p, 0, 0.0, seq(1, 2))
     p.finished(0, 2.0)
     p.hint(1, seq(1, 3))
     p.arrived(1, seq(1, 3), 12.0)
@@ -204,10 +206,7 @@ def test_a_think_time_counts_once_from_the_first_arrival_and_only_for_its_own_re
 
 def test_a_long_reply_moves_when_a_session_is_over_and_it_is_not_counted_over_before_that():
     p = ReturnsPolicy()
-    p.begin(0, 0.0)
-    for i, key in enumerate(seq(1, 2)):
-        p.insert(key, i)
-    p.touch(seq(1, 2), use=0)
+    serve(p, 0, 0.0, seq(1, 2))
     g = p._sessions[0]
     over_from_start = g.over
     p.finished(0, 50.0)  # the reply took 50 s: the user starts thinking only then

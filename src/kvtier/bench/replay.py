@@ -255,13 +255,13 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         work, load = flops / compute.flops, sum(load_s[lvl] for lvl in sources)
         service = (max(work, load) + min(work, load) / config.layout.num_layers) if config.layerwise \
             else work + load
-        decode = req.output_length * config.decode_s_per_token
-        heapq.heapreplace(free, start + service + decode)
+        end = start + service + req.output_length * config.decode_s_per_token  # its reply done
+        heapq.heapreplace(free, end)
         if closed:
-            place.finished(seq, start + service + decode)
+            place.finished(seq, end)
         ttft[seq] = start + service - arrival
         if nxt is not None:
-            queue.reply_done(nxt, start + service + decode)
+            queue.reply_done(nxt, end)
         hit_blocks += len(sources)
         hit_tokens += got
         total_tokens += req.input_length

@@ -252,6 +252,13 @@ class _Again:
         return (self._again[cls] + 2 * pooled) / (self._seen[cls] + 2)
 
 
+def _bounded(requests: OrderedDict, seq: int, value: object) -> None:
+    """``requests[seq] = value``, the oldest forgotten past ``MAX_BEGUN``."""
+    requests[seq] = value
+    while len(requests) > MAX_BEGUN:
+        requests.popitem(last=False)
+
+
 class _Mean:
     """An exponentially weighted mean over about ``GLOBAL_WINDOW`` samples."""
 
@@ -308,9 +315,7 @@ class ReturnsPolicy(EvictionPolicy):
         self._close(now)
         self._scheduled = True
         self._seq, self._now = seq, now
-        self._begun[seq] = now
-        while len(self._begun) > MAX_BEGUN:
-            self._begun.popitem(last=False)
+        _bounded(self._begun, seq, now)
         arrival = self._arrivals.pop(seq, None)
         if arrival is not None and now >= arrival:
             self._wait.add(now - arrival)
@@ -337,9 +342,7 @@ class ReturnsPolicy(EvictionPolicy):
         capacity, saved 50.8% of prefill against 55.7% without.)"""
         if not keys or seq in self._arrivals:
             return
-        self._arrivals[seq] = now
-        while len(self._arrivals) > MAX_BEGUN:
-            self._arrivals.popitem(last=False)
+        _bounded(self._arrivals, seq, now)
         g = self._match(keys)
         if g is None or not g.session or g.forgotten:
             return
@@ -349,9 +352,7 @@ class ReturnsPolicy(EvictionPolicy):
     def finished(self, seq: int, now: float) -> None:
         """Request ``seq``'s reply was done: its session's next turn is expected a think time
         after this, and its gap counts from here."""
-        self._replied[seq] = now  # for a use of it that comes later (a save after the end)
-        while len(self._replied) > MAX_BEGUN:
-            self._replied.popitem(last=False)
+        _bounded(self._replied, seq, now)  # for a use of it that comes later (a save after the end)
         g = self._serving.get(seq)
         if g is None or g.served != seq or g.forgotten:
             return
@@ -462,9 +463,7 @@ class ReturnsPolicy(EvictionPolicy):
         if g.session:
             self._sessions.move_to_end(g.sid)
             g.served = epoch
-            self._serving[epoch] = g
-            while len(self._serving) > MAX_BEGUN:
-                self._serving.popitem(last=False)
+            _bounded(self._serving, epoch, g)
         prior = self._gap.value
         g.gap = (g.gap_sum + PRIOR_GAPS * prior) / (g.gaps + PRIOR_GAPS) if g.gaps else prior
         g.var = var = (g.log_m2 + 2 * self._log_var.value) / (max(g.gaps - 1, 0) + 2)
