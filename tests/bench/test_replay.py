@@ -61,6 +61,34 @@ def test_a_tiny_dram_with_an_ssd_serves_from_ssd_and_counts_its_bytes():
     assert no_ssd.hit_ratio_blocks == 0 and no_ssd.prefill_saved == 0
 
 
+def test_the_bounds_say_what_hits_from_dram_and_perfect_staging_would_have_saved():
+    trace = parse_trace([line(0, [1, 2, 3]), line(1000, [9, 8, 7]), line(2000, [1, 2, 3, 4])])
+    ssd_hit = replay(trace, ReplayConfig(dram_blocks=3, ssd_blocks=10, dram_read_GBps=20, ssd_read_GBps=0.5))
+    assert ssd_hit.hit_ratio_ssd > 0 and ssd_hit.hit_ratio_dram == 0  # the third comes back from SSD
+    # served as it arrived: staging alone could have had its three blocks in DRAM
+    assert ssd_hit.prefill_saved < ssd_hit.prefill_saved_if_staged == ssd_hit.prefill_saved_if_in_dram
+    in_dram = replay(trace, ReplayConfig(dram_blocks=100, dram_read_GBps=20))
+    assert in_dram.prefill_saved == in_dram.prefill_saved_if_staged == in_dram.prefill_saved_if_in_dram
+    assert in_dram.prefill_saved == pytest.approx(ssd_hit.prefill_saved_if_in_dram)
+
+
+def test_the_dram_bound_moves_only_as_many_hits_into_dram_as_it_holds_layer_by_layer():
+    # The third request hits six blocks on SSD; DRAM holds four: the bound reads four from
+    # DRAM and two from SSD, layer by layer, as the replay charges a request.
+    a = [1, 2, 3, 4, 5, 6]
+    trace = parse_trace([line(0, a), line(1000, [9, 8, 7, 10, 11, 12]), line(2000, a + [13])])
+    config = ReplayConfig(dram_blocks=4, ssd_blocks=20, ssd_read_GBps=0.5, layerwise=True)
+    r = replay(trace, config)
+    c, layers = config.compute, config.layout.num_layers
+    full = [c.prefill_flops(0, 6 * 512) / c.flops] * 2 + [c.prefill_flops(0, 7 * 512) / c.flops]
+    work = c.prefill_flops(6 * 512, 7 * 512) / c.flops
+    load = 4 * config.load_s(0) + 2 * config.load_s(1)
+    assert load > work
+    third = load + work / layers
+    assert r.prefill_saved_if_in_dram == pytest.approx(1 - (full[0] + full[1] + third) / sum(full))
+    assert r.prefill_saved < r.prefill_saved_if_in_dram
+
+
 def test_policies_rank_as_expected_on_multi_turn_sessions():
     trace = parse_trace(sessions_trace().splitlines())
     dram = trace.unique_blocks // 20
@@ -81,6 +109,36 @@ def test_the_lookahead_prefetches_from_ssd_and_turns_ssd_hits_into_dram_hits():
     assert lru.prefetch_accuracy is None
     assert ahead.hit_ratio_dram > lru.hit_ratio_dram
     assert ahead.prefetch_accuracy is not None and ahead.prefetch_accuracy > 0.5
+
+
+def test_the_queue_prefetch_brings_in_the_prefix_of_a_request_longer_than_dram():
+    # A's six blocks go to SSD behind B; when A comes back (seven blocks, more than DRAM's
+    # four) queued behind C, the window prefetches as much of it as DRAM holds while C is
+    # served (the live store's prefetch stops where DRAM has no room), instead of none of it.
+    # (C's one-block prefill is too short for the prefetch on arrival to read more than one.)
+    a = [1, 2, 3, 4, 5, 6]
+    trace = parse_trace([line(0, a), line(1, [20, 21, 22, 23]), line(10_000, [30]), line(10_000, a + [7])])
+    r = replay(trace, ReplayConfig(policy="attentionstore", dram_blocks=4, ssd_blocks=100, instances=1))
+    dram, ssd = (round(share * trace.total_blocks) for share in (r.hit_ratio_dram, r.hit_ratio_ssd))
+    assert dram + ssd == 6 and dram == 3  # C's own block takes DRAM's fourth while it is served
+
+
+@pytest.mark.parametrize("busy_blocks, prefetched", [(8, 4), (1, 1)])
+def test_a_request_arriving_while_the_server_is_busy_is_prefetched_as_far_as_its_wait_reads(
+        busy_blocks, prefetched):
+    # A comes back 1 ms after C started, so the window, which moved at C's start, never saw
+    # it; the store prefetched it on arrival, in the background, for as long as it waited:
+    # all four blocks behind C's eight-block prefill, one block (13 ms of SSD read) behind a
+    # one-block prefill of about 20 ms.
+    a, c = [1, 2, 3, 4], list(range(20, 20 + busy_blocks))
+    trace = parse_trace([line(0, a), line(1, [10, 11, 12, 13]), line(10_000, c), line(10_001, a + [5])])
+    for policy, dram in (("attentionstore", prefetched), ("lru", 0)):  # lru hears of no queue
+        r = replay(trace, ReplayConfig(policy=policy, dram_blocks=4, ssd_blocks=100, instances=1))
+        assert round(r.hit_ratio_dram * trace.total_blocks) == dram
+        assert round((r.hit_ratio_dram + r.hit_ratio_ssd) * trace.total_blocks) == 4
+        # the only hits were a queued request's: staging could not have helped, DRAM could
+        assert r.prefill_saved_if_staged == r.prefill_saved
+        assert (r.prefill_saved_if_in_dram > r.prefill_saved) == (dram < 4)
 
 
 def test_a_sweep_runs_each_policy_at_each_capacity():

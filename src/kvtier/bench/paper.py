@@ -55,8 +55,8 @@ THINK_KIND = "per-session"
 """How think times are drawn by default (:func:`retime`): not in the paper. Each session's own
 pace, lognormal around :data:`THINK_S`, and gaps gamma of shape 4 around it: users differ, and
 a user's think times vary less than users do. With it, one fitted capacity scale puts the 13B
-model's LRU at 57.9% and FIFO at 50.8% beside the paper's 58% and 48% (with memoryless,
-``exponential`` think times 60.3% and 54.5%: everything else the same, the scale refitted)."""
+model's LRU at 57.2% and FIFO at 50.4% beside the paper's 58% and 48% (with memoryless,
+``exponential`` think times 60.2% and 54.5%: everything else the same, the scale refitted)."""
 DRAM_GBPS = 80.0
 """DRAM -> accelerator bandwidth, GB/s: four A100s, each loading its share over its own PCIe 4.0
 x16 link at about 20 GB/s."""
@@ -68,7 +68,7 @@ DECODE_S_PER_TOKEN = 0.5e-3
 step of its batch takes its share. Not in the paper; fitted by hand to LRU's published 58% on
 the 13B model (the scale refitted to AttentionStore's 86% at each value), with exponential think
 times: LRU's hit rate is 72.7% without decoding, 61.8% at 0.3 ms, 60.3% at 0.5 ms (its lowest),
-61.6% at 0.7 ms and 62.1% at 1 ms (with the default per-session ones, 57.9% at 0.5 ms). A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
+61.6% at 0.7 ms and 62.1% at 1 ms (with the default per-session ones, 57.2% at 0.5 ms). A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
 for the batch and each sequence's KV (about 4.8 GB at these sessions' mean 6.2K-token prompt),
 which puts the physical figure near 0.6-1.2 ms at half the HBM bandwidth."""
 
@@ -264,6 +264,9 @@ class PaperRow:
     ttft_mean_s: float
     paper_hit_rate: float | None
     paper_dram_share: float | None
+    prefill_saved_if_staged: float | None = None
+    """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_staged`: what
+    perfect staging could have saved (None for ``unlimited`` and the offline bounds)."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -333,7 +336,8 @@ def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
                         dram, ssd = config.dram_blocks * block, config.ssd_blocks * block
                     hit, share = paper_figures(name, policy, dram_only) if capacity == 1.0 else (None, None)
                     row = PaperRow(name, policy, dram_only, capacity, dram, ssd, result.hit_rate or 0.0,
-                                   result.dram_share_of_hits, result.prefill_saved, result.ttft_mean_s, hit, share)
+                                   result.dram_share_of_hits, result.prefill_saved, result.ttft_mean_s, hit, share,
+                                   result.prefill_saved_if_staged if policy in LIVE_POLICIES else None)
                     out.append(row)
                     if progress is not None:
                         progress(row)

@@ -6,9 +6,13 @@ arrived by then (up to the policy's ``lookahead``: the whole queue for ``attenti
 ``returns``) are announced with ``hint``; in a closed loop with their arrival times (``arrived``),
 a request served as it arrives is announced just before its ``begin``, and each request's end
 (its reply done) is told with ``finished``, so a policy can learn think times proper. (In an open
-loop a turn's arrival does not follow the reply, and neither is told.) While it computes, the head of the queue is prefetched
-into DRAM, as many requests as DRAM holds (prefetch is assumed to finish in the background
-before use). The request then does what an engine does with the store: ``lookup``, ``load``,
+loop a turn's arrival does not follow the reply, and neither is told.) While it computes, the
+head of the queue is prefetched into DRAM, as many requests as DRAM holds, and of the first
+that does not fit, the prefix that does (prefetch is assumed to finish in the background
+before use); a request that waited and that the window did not take whole (it arrived after
+the window last moved, or did not fit) is prefetched as far as its wait could read from SSD
+(the live store hears of a queued request, and prefetches it, on arrival). Both only for the
+policies with a look-ahead: ``lru`` and ``fifo`` are the paper's baselines, which know no queue. The request then does what an engine does with the store: ``lookup``, ``load``,
 ``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`: the live store's own
 :class:`~kvtier.core.placement.Placement` and policy objects, with a mover that counts chunks
 instead of copying bytes.
@@ -153,6 +157,14 @@ class ReplayResult:
     """Of the blocks hit, the share served from DRAM."""
     staged_blocks: int = 0
     """Blocks the policy's staging promoted into DRAM ahead of their requests."""
+    prefill_saved_if_in_dram: float = 0.0
+    """``prefill_saved`` had each request found as many of its hit blocks in DRAM as DRAM
+    holds (the same hits, the rest from SSD): what placement in DRAM could still add at this
+    capacity, with these hits."""
+    prefill_saved_if_staged: float = 0.0
+    """The same for the requests served as they arrived only (nothing queued ahead of them,
+    so only staging, a prediction of their return, could have put them in DRAM), the others
+    as replayed: what perfect staging could add."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -195,9 +207,9 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
     queue = _Queue(requests, config.closed_loop)
     free = [0.0] * config.instances  # when each instance is next free
     ttft = np.empty(n)
-    base_s = cached_s = base_flops = cached_flops = 0.0
+    base_s = cached_s = base_flops = cached_flops = in_dram_s = staged_s = 0.0
     hit_blocks = hit_tokens = total_tokens = 0
-    announced = fetched = fetch_blocks = 0
+    announced = fetched = fetch_blocks = part = 0
     following = _next_in_session(requests)
     saved_for: dict[int, int] = {}  # request (its index in the trace) -> its history blocks saved by earlier turns
     reusable = reused = staged = 0
@@ -206,12 +218,21 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         req = requests[index]
         start = max(arrival, free[0])
         queue.arrive_by(start)
-        if closed and lookahead and announced <= seq:  # served as it arrives: it arrived all the same
+        if fetched <= seq and lookahead and start > arrival and config.ssd_blocks_held:
+            # It waited, and the window did not take all of it (it arrived after the window last
+            # moved, or did not fit): the live store hears of a request as it arrives and
+            # prefetches it in the background, here as far as its wait could read from SSD.
+            if announced <= seq:
+                place.hint(seq, req.keys, arrival if closed else None)
+            late = min(len(req.keys), config.dram_blocks, int((start - arrival) / load_s[1]))
+            if late > part:
+                place.prefetch(req.keys, limit=late)
+        elif closed and lookahead and announced <= seq:  # served as it arrives: it arrived all the same
             place.hint(seq, req.keys, arrival)
         place.begin(seq, start)
         announced = max(seq, announced)
-        if fetched <= seq:
-            fetched = seq + 1
+        if fetched <= seq:  # not prefetched, or only its prefix (`part` of its blocks)
+            fetched, fetch_blocks, part = seq + 1, fetch_blocks - part, 0
         else:
             fetch_blocks -= len(req.keys)
         # Announce the queue (this request first): what has arrived by `start`.
@@ -226,15 +247,21 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         sources = place.load(hit)
         # While it computes, prefetch the head of the queue, as far as DRAM holds it
         # (AttentionStore's prefetching window). The window slides: it counts each queued
-        # request's blocks (a shared prefix once per request), and a request whose prefetched
-        # chunks were evicted before its turn is not prefetched again.
+        # request's blocks (a shared prefix once per request), and a request prefetched whole
+        # is not prefetched again, even if its chunks were evicted before its turn. The first
+        # request that does not fit gets the prefix that does (as the live store's prefetch
+        # stops where DRAM has no room), from its first block again each time the window slides.
         while fetched < announced:
             keys = requests[queue.index(fetched)].keys
-            if fetch_blocks + len(keys) > config.dram_blocks:
+            room = config.dram_blocks - fetch_blocks
+            if len(keys) - part > room:
+                if room > 0:
+                    place.prefetch(keys, limit=part + room)
+                    fetch_blocks, part = fetch_blocks + room, part + room
                 break
             place.prefetch(keys)
-            fetch_blocks += len(keys)
-            fetched += 1
+            fetch_blocks += len(keys) - part
+            fetched, part = fetched + 1, 0
         place.save(req.keys)
         history = saved_for.pop(index, None)
         if history:
@@ -256,6 +283,15 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         service = (max(work, load) + min(work, load) / config.layout.num_layers) if config.layerwise \
             else work + load
         end = start + service + req.output_length * config.decode_s_per_token  # its reply done
+        below = sum(1 for lvl in sources if lvl > 0)  # of its hits, as many from DRAM as it holds
+        moved = min(below, max(0, config.dram_blocks - (len(sources) - below)))
+        best_s = service
+        if moved:
+            best_load = load - moved * (load_s[1] - load_s[0])
+            best_s = min(service, (max(work, best_load) + min(work, best_load) / config.layout.num_layers)
+                         if config.layerwise else work + best_load)
+        in_dram_s += best_s
+        staged_s += best_s if start <= arrival else service
         heapq.heapreplace(free, end)
         if closed:
             place.finished(seq, end)
@@ -298,6 +334,8 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         else None,
         dram_share_of_hits=place.hits[0] / sum(place.hits) if sum(place.hits) else 0.0,
         staged_blocks=staged,
+        prefill_saved_if_in_dram=1.0 - in_dram_s / base_s if base_s else 0.0,
+        prefill_saved_if_staged=1.0 - staged_s / base_s if base_s else 0.0,
     ), queue
 
 

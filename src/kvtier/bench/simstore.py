@@ -138,8 +138,8 @@ class SimStore:
     def staging(self, now: float) -> list[Sequence[ChunkKey]]:
         return self.placement.staging(now)
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> int:
-        return self.placement.prefetch(keys)
+    def prefetch(self, keys: Sequence[ChunkKey], *, limit: int | None = None) -> int:
+        return self.placement.prefetch(keys, limit=limit)
 
     def lookup(self, keys: Sequence[ChunkKey], cost_s: float | None = None) -> PrefixHit:
         return self.placement.lookup(keys, cost_s)

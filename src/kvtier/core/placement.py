@@ -422,13 +422,18 @@ class Placement:
             n = end
         return promoted if level is not None else n
 
-    def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None) -> int:
+    def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None,
+                 limit: int | None = None) -> int:
         """Promote the held prefix of ``keys`` into DRAM (:meth:`promote_prefix`); stops at the
-        first chunk held nowhere or that finds no room. Touches ``keys``; returns how many
-        chunks were promoted."""
+        first chunk held nowhere or that finds no room, and with ``limit`` after that many of
+        ``keys`` (what the caller has the time or the room for; 0: none). Touches all of
+        ``keys`` (the policies see the request's whole sequence); returns how many chunks were
+        promoted."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be None or >= 0, got {limit!r}")
         index = self.index
         below = []
-        for key in keys:
+        for key in keys[:limit]:
             level = index.fastest(key)
             if level is None:
                 break
