@@ -244,6 +244,19 @@ def test_a_session_is_staged_shortly_before_its_predicted_return_and_only_once()
     assert p._sessions[0].uses == 5 and p._sessions[0].gaps == 4  # the staging was no use
 
 
+def test_nothing_is_staged_while_a_request_is_queued():
+    # Behind a queue a session that comes back waits, and the queue's prefetch brings it in:
+    # staged now it would only take DRAM from the queue's head.
+    p = ReturnsPolicy()
+    d = Driver(p)
+    regular_session_then_staged(p, d)
+    d.serve(36.0, seq(3, 6))
+    p.hint(d.seq, seq(5, 3))  # queued behind the request being served
+    assert p.staging(36.0) == []
+    d.serve(36.5, seq(5, 3))  # it starts: nothing is queued any more
+    assert [list(s) for s in p.staging(36.5)] == [seq(1, 5)]
+
+
 def test_staging_never_evicts_a_session_due_sooner_than_the_one_staged():
     p = ReturnsPolicy()
     d = Driver(p)
