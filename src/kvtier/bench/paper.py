@@ -68,9 +68,10 @@ DECODE_S_PER_TOKEN = 0.5e-3
 step of its batch takes its share. Not in the paper; fitted by hand to LRU's published 58% on
 the 13B model (the scale refitted to AttentionStore's 86% at each value), with exponential think
 times: LRU's hit rate is 72.7% without decoding, 61.8% at 0.3 ms, 60.3% at 0.5 ms (its lowest),
-61.6% at 0.7 ms and 62.1% at 1 ms (with the default per-session ones, 57.2% at 0.5 ms). A memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once
-for the batch and each sequence's KV (about 4.8 GB at these sessions' mean 6.2K-token prompt),
-which puts the physical figure near 0.6-1.2 ms at half the HBM bandwidth."""
+61.6% at 0.7 ms and 62.1% at 1 ms (with the default per-session ones, 57.2% at 0.5 ms). A
+memory-bound decode step of LLaMA-2-13B on four A100s reads the weights once for the batch
+and each sequence's KV (about 4.8 GB at these sessions' mean 6.2K-token prompt), which puts the
+physical figure near 0.6-1.2 ms at half the HBM bandwidth."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ that does not fit, the prefix that does (prefetch is assumed to finish in the ba
 before use); a request that waited and that the window did not take whole (it arrived after
 the window last moved, or did not fit) is prefetched as far as its wait could read from SSD
 (the live store hears of a queued request, and prefetches it, on arrival). Both only for the
-policies with a look-ahead: ``lru`` and ``fifo`` are the paper's baselines, which know no queue. The request then does what an engine does with the store: ``lookup``, ``load``,
-``save`` of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`: the live store's own
+policies with a look-ahead: ``lru`` and ``fifo`` are the paper's baselines, which know no
+queue. The request then does what an engine does with the store: ``lookup``, ``load``, ``save``
+of all its blocks, on a :class:`~kvtier.bench.simstore.SimStore`: the live store's own
 :class:`~kvtier.core.placement.Placement` and policy objects, with a mover that counts chunks
 instead of copying bytes.
 
@@ -213,6 +214,12 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
     following = _next_in_session(requests)
     saved_for: dict[int, int] = {}  # request (its index in the trace) -> its history blocks saved by earlier turns
     reusable = reused = staged = 0
+    layers = config.layout.num_layers
+
+    def service_s(work: float, load: float) -> float:
+        """A request's prefill: its compute and its loads (overlapped layer by layer)."""
+        return max(work, load) + min(work, load) / layers if config.layerwise else work + load
+
     for seq in range(n):
         index, arrival = queue.serve(seq)
         req = requests[index]
@@ -280,16 +287,14 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         flops = compute.prefill_flops(got, req.input_length)
         full = compute.prefill_flops(0, req.input_length)
         work, load = flops / compute.flops, sum(load_s[lvl] for lvl in sources)
-        service = (max(work, load) + min(work, load) / config.layout.num_layers) if config.layerwise \
-            else work + load
+        service = service_s(work, load)
         end = start + service + req.output_length * config.decode_s_per_token  # its reply done
         below = sum(1 for lvl in sources if lvl > 0)  # of its hits, as many from DRAM as it holds
         moved = min(below, max(0, config.dram_blocks - (len(sources) - below)))
         best_s = service
         if moved:
             best_load = load - moved * (load_s[1] - load_s[0])
-            best_s = min(service, (max(work, best_load) + min(work, best_load) / config.layout.num_layers)
-                         if config.layerwise else work + best_load)
+            best_s = min(service, service_s(work, best_load))
         in_dram_s += best_s
         staged_s += best_s if start <= arrival else service
         heapq.heapreplace(free, end)
