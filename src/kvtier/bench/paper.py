@@ -268,6 +268,10 @@ class PaperRow:
     prefill_saved_if_staged: float | None = None
     """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_staged`: what
     perfect staging could have saved (None for ``unlimited`` and the offline bounds)."""
+    prefill_saved_if_in_dram: float | None = None
+    """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_in_dram`: the
+    same hits, each request given as many of them from DRAM as DRAM holds (queued or not): what
+    no placement of those hits could pass (None as above)."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -338,7 +342,8 @@ def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
                     hit, share = paper_figures(name, policy, dram_only) if capacity == 1.0 else (None, None)
                     row = PaperRow(name, policy, dram_only, capacity, dram, ssd, result.hit_rate or 0.0,
                                    result.dram_share_of_hits, result.prefill_saved, result.ttft_mean_s, hit, share,
-                                   result.prefill_saved_if_staged if policy in LIVE_POLICIES else None)
+                                   *((result.prefill_saved_if_staged, result.prefill_saved_if_in_dram)
+                                     if policy in LIVE_POLICIES else (None, None)))
                     out.append(row)
                     if progress is not None:
                         progress(row)
