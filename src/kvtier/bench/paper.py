@@ -340,10 +340,11 @@ def rows(trace: Trace, scale: float, setup: Setup = Setup(), *,
                             result = replay(timed, config)
                         dram, ssd = config.dram_blocks * block, config.ssd_blocks * block
                     hit, share = paper_figures(name, policy, dram_only) if capacity == 1.0 else (None, None)
+                    live = policy in LIVE_POLICIES  # the bounds of a live policy's own replay
                     row = PaperRow(name, policy, dram_only, capacity, dram, ssd, result.hit_rate or 0.0,
                                    result.dram_share_of_hits, result.prefill_saved, result.ttft_mean_s, hit, share,
-                                   *((result.prefill_saved_if_staged, result.prefill_saved_if_in_dram)
-                                     if policy in LIVE_POLICIES else (None, None)))
+                                   prefill_saved_if_staged=result.prefill_saved_if_staged if live else None,
+                                   prefill_saved_if_in_dram=result.prefill_saved_if_in_dram if live else None)
                     out.append(row)
                     if progress is not None:
                         progress(row)
