@@ -269,9 +269,10 @@ class PaperRow:
     """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_staged`: what
     perfect staging could have saved (None for ``unlimited`` and the offline bounds)."""
     prefill_saved_if_in_dram: float | None = None
-    """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_in_dram`: the
-    same hits, each request given as many of them from DRAM as DRAM holds (queued or not): what
-    no placement of those hits could pass (None as above)."""
+    """The replay's :attr:`~kvtier.bench.replay.ReplayResult.prefill_saved_if_in_dram`: with
+    each request's hits and the replayed schedule kept as they were, each request given as many
+    of its hits from DRAM as DRAM holds (queued or not). A bound on placing this replay's hits
+    in DRAM, not on another policy, whose hits differ (None as above)."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
