@@ -111,6 +111,12 @@ def test_rows_carry_the_papers_figures_beside_kvtiers_at_its_capacities_only():
     for r in rows:  # the replay's bounds ride along: staging helps fewer requests than DRAM could
         assert r.prefill_saved <= r.prefill_saved_if_staged <= r.prefill_saved_if_in_dram + 1e-12
     assert any(r.prefill_saved_if_staged < r.prefill_saved_if_in_dram for r in rows if not r.dram_only)
+    setup = paper.Setup()  # the very figures of the policy's own replay
+    own = paper.replay(setup.timed(sessions_trace()),
+                       paper.config_for(paper.MODELS["llama-2-13b"], "attentionstore", False, 0.01, setup))
+    headline = by[("attentionstore", False, 1.0)]
+    assert (headline.prefill_saved_if_staged, headline.prefill_saved_if_in_dram) == (
+        own.prefill_saved_if_staged, own.prefill_saved_if_in_dram)
 
 
 def test_unlimited_finds_every_saved_block_and_bounds_the_policies():
@@ -258,5 +264,8 @@ def test_in_a_closed_loop_optimal_replays_the_order_attentionstore_served():
     for dram_only in (False, True):
         assert by[("optimal", dram_only)].hit_rate >= by[("attentionstore", dram_only)].hit_rate
         assert by[("optimal", dram_only)].hit_rate <= by[("unlimited", dram_only)].hit_rate + 1e-12
+    for r in rows:  # the bounds are a live policy's own replay's; the offline ones replay another order
+        bounds = (r.prefill_saved_if_staged, r.prefill_saved_if_in_dram)
+        assert (bounds == (None, None)) == (r.policy != "attentionstore"), r
     alone = paper.rows(sessions_trace(), 0.005, models=("llama-2-13b",), policies=("optimal",), capacities=(1.0,))
     assert [r.hit_rate for r in alone] == [by[("optimal", False)].hit_rate, by[("optimal", True)].hit_rate]
