@@ -138,7 +138,7 @@ def test_a_daemon_restarted_under_live_views_leaves_the_client_alive(tmp_path):
 
 
 def test_a_lost_write_lease_keeps_its_slots_until_the_client_says_it_stopped_writing(tmp_path):
-    daemon = Daemon(tmp_path, host_chunks=4, extra=("[access]", "orphan_grace_s = 600")).start()
+    daemon = Daemon(tmp_path, host_chunks=4, extra=("[access]", "orphan_report_s = 600")).start()
     client = daemon.client(timeout_s=0.5, retry_s=0.05)
     try:
         keys = client.keys_for(list(range(2 * C)))

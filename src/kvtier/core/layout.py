@@ -73,6 +73,18 @@ class KVLayout:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
         return layer * self.layer_bytes
 
+    def part_layer_bytes(self, tokens: int) -> int:
+        """Bytes of one layer of a partial chunk of ``tokens`` tokens (1..``chunk_tokens``):
+        a partial chunk is stored as its own tokens of every layer, layer-major like a full
+        one, so it costs its own size wherever it is kept."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 < tokens <= self.chunk_tokens:
+            raise ValueError(f"a partial chunk holds 1 to {self.chunk_tokens} tokens, got {tokens!r}")
+        return self.layer_bytes // self.chunk_tokens * tokens
+
+    def part_bytes(self, tokens: int) -> int:
+        """Bytes of a partial chunk of ``tokens`` tokens, all layers (see :meth:`part_layer_bytes`)."""
+        return self.num_layers * self.part_layer_bytes(tokens)
+
     def bytes_for_tokens(self, tokens: int) -> int:
         """KV bytes of ``tokens`` tokens (all layers), for capacity planning."""
         return tokens * self.chunk_bytes // self.chunk_tokens

@@ -87,7 +87,9 @@ class StoreClient:
 
     def __init__(self, socket_path: str | None = None, *, model: str | None = None,
                  layout: KVLayout | None = None, tenant: str | None = None, page_format: str = "",
-                 timeout_s: float = 5.0, retry_s: float = 1.0, instance: str | None = None) -> None:
+                 timeout_s: float = 5.0, retry_s: float = 1.0, instance: str | None = None,
+                 daemon_uid: int | None = None, map_arena: bool = True,
+                 budget_s: float | None = None) -> None:
         if (model is None) != (layout is None):
             raise ValueError("StoreClient needs both model and layout (a namespace), or neither")
         if model is not None and (not isinstance(model, str) or not model):
@@ -104,9 +106,20 @@ class StoreClient:
         """Requests that failed because the daemon was unreachable or answered an error."""
         self.lost_leases = 0
         """Leases that ended before their holder ended them (what they read was thrown away)."""
+        if daemon_uid is not None and (not isinstance(daemon_uid, int) or isinstance(daemon_uid, bool)
+                                       or daemon_uid < 0):
+            raise ValueError(f"StoreClient daemon_uid must be a user id, got {daemon_uid!r}")
+        if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
+                                     or not 0 < budget_s <= MAX_BUDGET_MS / 1000):
+            raise ValueError(f"StoreClient budget_s must be seconds in (0, {MAX_BUDGET_MS / 1000:g}], got {budget_s!r}")
+        self.budget_s = budget_s
+        """How long the daemon may take over an acquire or reserve before it answers with what
+        it has (default: a quarter of ``timeout_s``)."""
         self._id = secrets.token_bytes(16)
         self._leases = itertools.count(secrets.randbelow(1 << 40) + 1)
-        self._link = Link(self.socket_path, self._hello, timeout_s, retry_s)
+        self._link = Link(self.socket_path, self._hello, timeout_s, retry_s, daemon_uid=daemon_uid,
+                          map_arena=map_arena,
+                          check_dir=socket_path is None and not os.environ.get("KVTIER_SOCKET"))
         self._namespace: Namespace | None = None
 
     # -- connection ---------------------------------------------------------------------------
@@ -144,10 +157,34 @@ class StoreClient:
     def tier_names(self) -> list[str]:
         return self._link.tier_names
 
+    @property
+    def pin_arena(self) -> bool:
+        """Page-lock the daemon's arena in this process when it is mapped (a worker copying to
+        and from a GPU; default off: page-locking is a CUDA call, and a process that only asks
+        questions -- vLLM's scheduler -- must not make a CUDA context)."""
+        return self._link.pin_arena
+
+    @pin_arena.setter
+    def pin_arena(self, value: bool) -> None:
+        with self._link.lock:
+            self._link.set_pin(bool(value))
+
+    def _sizes(self, n: int, tail_tokens: int) -> list[int]:
+        """The bytes of each of ``n`` chunks of a request whose last is a partial chunk of
+        ``tail_tokens`` tokens (0: all full)."""
+        layout = self._need_layout()
+        sizes = [layout.chunk_bytes] * n
+        if tail_tokens:
+            if not isinstance(tail_tokens, int) or not 0 < tail_tokens < layout.chunk_tokens:
+                raise ValueError(f"tail_tokens must be in [1, {layout.chunk_tokens - 1}], got {tail_tokens!r}")
+            sizes[-1] = layout.part_bytes(tail_tokens)
+        return sizes
+
     def _budget_ms(self) -> int:
         """How long the daemon may take over an acquire or reserve (promoting, waiting for
         room) before it answers with what it has: well within this client's timeout."""
-        return max(1, min(MAX_BUDGET_MS, int(self.timeout_s * 1000 / 4)))
+        budget = self.timeout_s / 4 if self.budget_s is None else min(self.budget_s, self.timeout_s / 4)
+        return max(1, min(MAX_BUDGET_MS, int(budget * 1000)))
 
     def _wait_timeout(self, wait: bool) -> float | None:
         """A call that waits for the daemon's SSD reads (a prefetch with ``wait``) may take
@@ -183,19 +220,21 @@ class StoreClient:
 
     # -- leases -------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[ChunkKey], *, first: int = 0, tenant: str | None = None,
-                request: str | None = None) -> ReadLease | None:
+                request: str | None = None, tail_tokens: int = 0) -> ReadLease | None:
         """Pin the longest held prefix of ``keys`` (chunks ``first, first + 1...`` of their
-        sequence) in DRAM; None if nothing is held or the daemon is unavailable."""
-        layout = self._need_layout()
+        sequence) in DRAM; None if nothing is held or the daemon is unavailable. With
+        ``tail_tokens`` the last key is a partial chunk of that many tokens (its view is that
+        size: :meth:`KVLayout.part_bytes`)."""
         if not keys:
             return None
+        sizes = self._sizes(len(keys), tail_tokens)
         lease_id = next(self._leases)
         try:
             with self._link.lock:
                 conn = self._link.connect()
                 reply = self._link.exchange(conn, {"op": "acquire", "lease": lease_id, "keys": list(keys),
                                                    "first": first, "tenant": tenant, "request": request,
-                                                   "budget_ms": self._budget_ms()})
+                                                   "tail_tokens": tail_tokens, "budget_ms": self._budget_ms()})
                 slots = reply.get("slots")
                 tiers = reply.get("tiers")
                 if not isinstance(slots, list) or not isinstance(tiers, list) or len(slots) > len(keys) \
@@ -208,11 +247,11 @@ class StoreClient:
                     self._link.drop(conn)
                     raise DaemonUnavailable("the daemon's acquire reply names another lease")
                 try:
-                    views = [conn.arena.view(s, layout.chunk_bytes) for s in slots]
+                    views = [conn.mapped().view(s, n) for s, n in zip(slots, sizes, strict=False)]
                 except DaemonUnavailable:
                     self._link.drop(conn)  # its pins end with the connection
                     raise
-                conn.arena.refs += 1
+                conn.mapped().refs += 1
                 return ReadLease(lease_id, list(keys[: len(slots)]), views, [str(t) for t in tiers], conn)
         except DaemonUnavailable as exc:
             self._failed("acquire", exc)
@@ -228,7 +267,7 @@ class StoreClient:
             raise ValueError(f"lease {lease.id} is already ended")
         lease.ended = True
         with self._link.lock:
-            lease._conn.arena.release()
+            lease._conn.mapped().release()
             c = self.layout.chunk_tokens if self.layout else 0
             report = [c] * len(lease.keys) if took is None else [int(t) for t in took]
             try:
@@ -247,13 +286,15 @@ class StoreClient:
                 return False
 
     def reserve(self, keys: Sequence[ChunkKey], *, first: int = 0, tenant: str | None = None,
-                request: str | None = None) -> WriteLease | None:
+                request: str | None = None, tail_tokens: int = 0) -> WriteLease | None:
         """DRAM slots for new chunks ``keys`` (chunks ``first...`` of their sequence), in order;
-        shorter than ``keys`` when DRAM has no room. None if the daemon is unavailable. Fill the
-        views, then :meth:`commit` (or :meth:`abandon`) the lease."""
-        layout = self._need_layout()
+        shorter than ``keys`` when DRAM has no room. None if the daemon is unavailable. With
+        ``tail_tokens`` the last key is a partial chunk of that many tokens: its slot is that
+        size (:meth:`KVLayout.part_bytes`, each layer :meth:`KVLayout.part_layer_bytes`), in
+        every tier. Fill the views -- all of each -- then :meth:`commit` (or :meth:`abandon`)."""
         if not keys:
             return None
+        sizes = self._sizes(len(keys), tail_tokens)
         lease_id = next(self._leases)
         try:
             with self._link.lock:
@@ -261,7 +302,7 @@ class StoreClient:
                 try:
                     reply = self._link.exchange(conn, {"op": "reserve", "lease": lease_id, "keys": list(keys),
                                                        "first": first, "tenant": tenant, "request": request,
-                                                       "budget_ms": self._budget_ms()})
+                                                       "tail_tokens": tail_tokens, "budget_ms": self._budget_ms()})
                 except DaemonUnavailable:
                     if conn.broken:  # the daemon may have granted it; we never saw its slots
                         self._link.forget_later(conn, lease_id)
@@ -279,13 +320,14 @@ class StoreClient:
                     self._link.forget_later(conn, lease_id)
                     raise DaemonUnavailable("the daemon's reserve reply names another lease")
                 try:
-                    views = [None if s in (HELD, BUSY) else conn.arena.view(s, layout.chunk_bytes) for s in slots]
+                    views = [None if s in (HELD, BUSY) else conn.mapped().view(s, n)
+                             for s, n in zip(slots, sizes, strict=False)]
                 except DaemonUnavailable:
                     self._link.drop(conn)  # its reservations are orphaned; we never wrote them
                     self._link.forget_later(conn, lease_id)
                     raise
                 if granted is not None:
-                    conn.arena.refs += 1
+                    conn.mapped().refs += 1
                 return WriteLease(granted, list(keys[: len(slots)]), views, [s == HELD for s in slots],
                                   conn if granted is not None else None, ended=granted is None)
         except DaemonUnavailable as exc:
@@ -304,7 +346,7 @@ class StoreClient:
             written = [i for i, v in enumerate(lease.views) if v is not None]
         with self._link.lock:
             conn = lease._conn
-            conn.arena.release()
+            conn.mapped().release()
             try:
                 reply = self._link.leased(conn, "commit", lease=lease.id, written=list(written), success=ok)
                 return int(reply.get("committed", 0))  # type: ignore[call-overload]

@@ -22,7 +22,8 @@
     mode = "0660"                        # socket and arena
     group = "inference"
     max_clients = 1024
-    orphan_grace_s = 600
+    lease_ttl_s = 60                     # a lease held longer is ended (read) or fenced (write)
+    orphan_report_s = 600                # orphaned write slots are reported (never freed) after
     [access.tenants]                     # optional: uid -> tenants it may use ("*": any other uid)
     "1001" = ["acme"]
     "*" = [""]
@@ -65,13 +66,16 @@ _TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "boo
 _HOST = {"capacity_bytes": "bytes", "extent_bytes": "bytes", "pin_memory": "bool"}
 _DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": "bool",
          "mode": "mode", "group": "group", "codec": "str", "max_kl": "float"}
-_ACCESS = {"mode": "mode", "group": "group", "max_clients": "int", "orphan_grace_s": "seconds",
-           "tenants": "table"}
+_ACCESS = {"mode": "mode", "group": "group", "max_clients": "int", "lease_ttl_s": "seconds",
+           "orphan_report_s": "seconds", "tenants": "table"}
 _REMOTE = {"backend": "str", "write": "str", "max_queued": "int", "verify_s": "seconds", "miss_s": "seconds",
            "valkey": "table", "mooncake": "table"}
 _GONE = {"model": "the daemon serves any model: clients name theirs in their hello",
          "model_dir": "the daemon serves any model: clients name theirs in their hello",
-         "layout": "the daemon serves any layout: clients name theirs in their hello"}
+         "layout": "the daemon serves any layout: clients name theirs in their hello",
+         "orphan_grace_s": "orphaned write slots are no longer freed after a grace period (a late "
+                           "write would land in another chunk); orphan_report_s sets when they are "
+                           "reported as quarantined"}
 
 
 def read_toml(path: str) -> dict[str, object]:

@@ -23,7 +23,7 @@ import torch
 
 from kvtier.errors import DaemonUnavailable, LeaseLost
 from kvtier.server import protocol
-from kvtier.server.runtime import ARENA_NAME, peer_of
+from kvtier.server.runtime import ARENA_NAME, check_socket_dir, peer_of
 from kvtier.tiers.base import PAGE
 from kvtier.tiers.host import SHM_DIR, HostArena
 
@@ -36,7 +36,7 @@ class Arena:
     """A daemon's arena mapped here, unmapped only once it is retired (its daemon is gone or
     the client closes) and no lease on it is open."""
 
-    def __init__(self, name: str, size: int, owner_uid: int) -> None:
+    def __init__(self, name: str, size: int, owner_uid: int, pin: bool = False) -> None:
         if not isinstance(name, str) or not ARENA_NAME.fullmatch(name):
             raise DaemonUnavailable(f"the daemon named an arena {name!r:.80}, not a kvtier arena name")
         if not isinstance(size, int) or not 0 < size <= MAX_ARENA or size % PAGE:
@@ -51,7 +51,7 @@ class Arena:
             self.arena = HostArena.attach(name, size)
         except (OSError, ValueError) as exc:
             raise DaemonUnavailable(f"cannot map the daemon's arena {path}: {exc}") from exc
-        if torch.cuda.is_available():
+        if pin:
             self.arena.pin()  # page-locked: device copies from the arena run at full speed
         self.name = name
         self.size = size
@@ -63,6 +63,9 @@ class Arena:
                 or offset + nbytes > self.size):
             raise DaemonUnavailable(f"the daemon gave slot offset {offset!r:.40} outside its arena")
         return self.arena.tensor[offset : offset + nbytes]
+
+    def pin(self) -> None:
+        self.arena.pin()
 
     def release(self) -> None:
         self.refs -= 1
@@ -81,17 +84,30 @@ class Arena:
 class Connection:
     sock: socket.socket
     epoch: bytes
-    arena: Arena
+    arena: Arena | None
+    """None for a client that maps no arena (it only asks questions)."""
     tiers: list[str]
     broken: bool = False
+
+    def mapped(self) -> Arena:
+        if self.arena is None:
+            raise ValueError("this StoreClient maps no arena (map_arena=False): it cannot read or write chunks")
+        return self.arena
 
 
 class Link:
     """One connection to the daemon at a time (thread-safe: requests are serialized)."""
 
     def __init__(self, socket_path: str, hello: Callable[[], dict[str, object]], timeout_s: float,
-                 retry_s: float) -> None:
+                 retry_s: float, *, daemon_uid: int | None = None, map_arena: bool = True,
+                 check_dir: bool = False) -> None:
         self.socket_path = socket_path
+        self.daemon_uid = daemon_uid
+        """The uid a daemon may run as besides this process's own (None: only our own)."""
+        self.map_arena = map_arena
+        self.pin_arena = False
+        self.check_dir = check_dir
+        """Check the socket's directory (the default path: it must be this user's own)."""
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._hello = hello
@@ -105,6 +121,12 @@ class Link:
         self.lost_chunks = 0
         """Chunks read under leases lost since the daemon last heard (reported with forget)."""
         self.tier_names: list[str] = ["host"]
+
+    def set_pin(self, pin: bool) -> None:
+        """Page-lock arenas mapped from now on (and the one mapped now) when ``pin``."""
+        self.pin_arena = pin
+        if pin and self._arena is not None:
+            self._arena.pin()
 
     def forget_later(self, conn: Connection, lease_id: int) -> None:
         """A lease lost with ``conn``, now ended by its caller: tell the daemon that granted it."""
@@ -121,11 +143,27 @@ class Link:
         if now < self._next_try:
             raise DaemonUnavailable(self._refused or "daemon unreachable; retrying later")
         self._next_try = now + self.retry_s
+        if self.check_dir:
+            try:
+                check_socket_dir(self.socket_path)
+            except ValueError as exc:
+                self._refused = str(exc)
+                if not self.down_logged:
+                    log.error("kvtier: %s; serving as cache misses", exc)
+                raise DaemonUnavailable(str(exc)) from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
             daemon = peer_of(sock)
+            if daemon.uid not in (os.geteuid(), self.daemon_uid):
+                sock.close()
+                self._refused = (f"the process serving {self.socket_path} runs as uid {daemon.uid}, neither "
+                                 f"this user ({os.geteuid()}) nor the daemon_uid configured "
+                                 f"({self.daemon_uid}): not trusted with any KV")
+                if not self.down_logged:
+                    log.error("kvtier: %s; serving as cache misses", self._refused)
+                raise DaemonUnavailable(self._refused)
             protocol.send(sock, self._hello())
             hello = protocol.recv(sock)
         except (OSError, protocol.ProtocolError) as exc:
@@ -164,9 +202,11 @@ class Link:
         if isinstance(tiers, list) and all(isinstance(t, str) for t in tiers) and len(tiers) <= 8:
             self.tier_names = list(tiers)
         name, size = hello.get("shm_name"), hello.get("arena_bytes")
+        if not self.map_arena:
+            return Connection(sock, epoch, None, self.tier_names)
         arena = self._arena
         if arena is None or arena.name != name or arena.size != size:
-            arena = Arena(name, size, daemon_uid)  # type: ignore[arg-type]
+            arena = Arena(name, size, daemon_uid, pin=self.pin_arena)  # type: ignore[arg-type]
             if self._arena is not None:
                 self._arena.retire()  # the old daemon's: unmapped once its last lease ends
             self._arena = arena

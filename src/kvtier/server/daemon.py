@@ -2,8 +2,15 @@
 
 The daemon owns the chunk index, the policy, the DRAM tier (an arena in POSIX shared memory that
 clients map), the SSD tier and the remote tier. Clients connect over a Unix socket for control
-and move chunk bytes themselves, in place, in the shared arena. Each connection is served on a
-thread of its own; the cache's lock is held for bookkeeping only (:mod:`kvtier.cache`).
+and move chunk bytes themselves, in place, in the shared arena. The cache's lock is held for
+bookkeeping only (:mod:`kvtier.cache`).
+
+Connections (:mod:`kvtier.server.connections`): a connection that is talking is served on a
+thread of its own, one request after the other, as long as requests keep coming; one idle for
+:data:`~kvtier.server.connections.PARK_S` is *parked* -- watched by the one event-loop thread,
+holding no thread -- until its next request. Many idle clients (a vLLM scheduler's hint
+connection, engines between conversations) cost a file descriptor each, not a thread; a client
+refused for ``max_clients`` gets its refusal from the event loop and never a thread.
 
 A client names its namespace in its ``hello``: the model fingerprint, the KV layout and page
 format, and its tenant. The daemon needs no model: every key a client sends is bound to that
@@ -23,9 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import socket
-import socketserver
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +40,7 @@ from collections.abc import Callable
 from kvtier.cache import ChunkCache
 from kvtier.core.keys import ChunkKey, Namespace, bind_keys
 from kvtier.server import protocol
+from kvtier.server.connections import Connections
 from kvtier.server.leases import Lease, LeaseEnded, Leases
 from kvtier.server.ops import OPS
 from kvtier.server.protocol import BadRequest
@@ -67,6 +75,7 @@ class _Session:
         self.instance = ""
         self.ns: ClientNamespace | None = None
         self.leases: dict[int, Lease] = {}
+        """Changed only by :class:`~kvtier.server.leases.Leases`, under its lock."""
         self._bound: dict[str, Namespace] = {}
 
     def namespace(self, tenant: str) -> Namespace:
@@ -91,32 +100,33 @@ class StoreDaemon:
         access = config.access
         self.claim = SocketClaim(config.socket_path)
         self.cache: ChunkCache | None = None
+        self._sessions: set[_Session] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
         try:
             arena = new_arena_name()
             self.claim.record_arena(arena)
+            # the daemon copies between DRAM and SSD only: it page-locks its arena (and makes a
+            # CUDA context) only when told to; each client that copies to a GPU pins its own mapping
             host = dataclasses.replace(config.cache.host, shm_name=arena, shm_mode=access.mode,
-                                       shm_gid=access.group)
+                                       shm_gid=access.group, pin_memory=bool(config.cache.host.pin_memory))
             self.cache = ChunkCache(dataclasses.replace(config.cache, host=host))
-            self.leases = Leases(self.cache, access.orphan_grace_s)
+            self.leases = Leases(self.cache, access.lease_ttl_s, access.orphan_report_s)
             raise_fd_limit(2 * access.max_clients + 256)  # a socket and a pidfd per client
-            daemon = self
-
-            class Handler(socketserver.BaseRequestHandler):
-                def handle(self) -> None:
-                    daemon._serve_connection(self.request)
-
-            class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-                daemon_threads = True
-
-            self._server = Server(self.claim.socket_path, Handler)
-            own_socket(self.claim.socket_path, access.mode, access.group)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(self.claim.socket_path)
+                own_socket(self.claim.socket_path, access.mode, access.group)
+                listener.listen(min(4096, access.max_clients + 64))
+            except BaseException:
+                listener.close()
+                raise
+            self._connections = Connections(listener, self._serve_request, self._accepted,
+                                            self._ended, self._refusal)
         except BaseException:
             self._teardown()
             raise
-        self._sessions: set[_Session] = set()
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvtier-daemon-reaper", daemon=True)
         self._reaper.start()
 
@@ -139,25 +149,15 @@ class StoreDaemon:
 
     def serve_forever(self) -> None:
         log.info("kvtier store daemon serving %s", self.config.socket_path)
-        self._server.serve_forever(poll_interval=0.2)
+        self._connections.run()
 
     def stop(self) -> None:
         self._stopping.set()
-        self._server.shutdown()
-        self._server.server_close()
-        with self._lock:
-            sessions = list(self._sessions)
-        for session in sessions:  # end every lease as a crash would
-            try:
-                session.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._connections.stop()  # ends every connection as a crash would: their leases end
         deadline = time.monotonic() + 5
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
-            import os
-
             os.unlink(self.claim.socket_path)
         except FileNotFoundError:
             pass
@@ -167,64 +167,52 @@ class StoreDaemon:
     def _reap(self) -> None:
         while not self._stopping.wait(REAP_INTERVAL_S):
             try:
+                with self._lock:
+                    held = [s.leases for s in self._sessions]
+                self.leases.expire(held)
                 self.leases.reap()
             except Exception:
-                log.exception("reaping orphaned leases failed")
+                log.exception("reaping leases failed")
 
     # -- connections --------------------------------------------------------------------------
-    def _serve_connection(self, sock: socket.socket) -> None:
+    def _accepted(self, sock: socket.socket) -> _Session | None:
+        """A new connection: its session, or None to refuse it (``max_clients``)."""
         try:
             peer = peer_of(sock)
         except OSError:
-            return
-        session = _Session(sock, peer)
+            return None
         with self._lock:
-            full = len(self._sessions) >= self.config.access.max_clients
-            if not full:
-                self._sessions.add(session)
-        if full:
-            self.refused += 1
-            log.warning("refusing a client (pid %d, uid %d): %d clients are connected already",
-                        peer.pid, peer.uid, self.config.access.max_clients)
-            try:
-                protocol.recv(sock)
-                protocol.send(sock, {"ok": False, "refused": True,
-                                     "error": f"the daemon serves at most {self.config.access.max_clients} clients"})
-            except (OSError, protocol.ProtocolError):
-                pass
-            session.watch.close()
-            return
-        try:
-            while True:
-                try:
-                    request = protocol.recv(sock)
-                except (protocol.ProtocolError, OSError) as exc:
-                    log.warning("dropping a client: %s", exc)
-                    return
-                if request is None:
-                    return
-                start = time.perf_counter()
-                op = request.get("op")
-                handler = OPS.get(op) if isinstance(op, str) else None
-                try:
-                    if handler is None:
-                        raise BadRequest(f"unknown operation {op!r:.40}")
-                    if op != "hello" and not session.client:
-                        raise BadRequest("the first request must be a hello")
-                    reply = handler(self, request, session)
-                except LeaseEnded as exc:
-                    reply = {"ok": False, "lost": True, "error": f"{op}: {exc}"}
-                except (ValueError, TypeError, KeyError) as exc:
-                    reply = {"ok": False, "error": f"{op}: {exc}"}
-                self.observe(str(op), time.perf_counter() - start)
-                try:
-                    protocol.send(sock, reply)
-                except (OSError, protocol.ProtocolError):
-                    return
-        finally:
-            self._end_session(session)
+            if len(self._sessions) >= self.config.access.max_clients:
+                self.refused += 1
+                log.warning("refusing a client (pid %d, uid %d): %d clients are connected already",
+                            peer.pid, peer.uid, self.config.access.max_clients)
+                return None
+            session = _Session(sock, peer)
+            self._sessions.add(session)
+        return session
 
-    def _end_session(self, session: _Session) -> None:
+    def _refusal(self) -> dict[str, object]:
+        return {"ok": False, "refused": True,
+                "error": f"the daemon serves at most {self.config.access.max_clients} clients"}
+
+    def _serve_request(self, session: _Session, request: dict[str, object]) -> dict[str, object]:
+        start = time.perf_counter()
+        op = request.get("op")
+        handler = OPS.get(op) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise BadRequest(f"unknown operation {op!r:.40}")
+            if op != "hello" and not session.client:
+                raise BadRequest("the first request must be a hello")
+            reply = handler(self, request, session)
+        except LeaseEnded as exc:
+            reply = {"ok": False, "lost": True, "error": f"{op}: {exc}"}
+        except (ValueError, TypeError, KeyError) as exc:
+            reply = {"ok": False, "error": f"{op}: {exc}"}
+        self.observe(str(op), time.perf_counter() - start)
+        return reply
+
+    def _ended(self, session: _Session) -> None:
         """The connection is gone: its read leases end now, its write leases are orphaned
         until nothing can still write their slots (:mod:`kvtier.server.leases`)."""
         pins, orphaned = self.leases.end(session.leases, session.watch)
@@ -240,8 +228,8 @@ class StoreDaemon:
             raise BadRequest("this operation needs a namespace (name one in the hello)")
         return session.ns
 
-    def bound(self, session: _Session, req: dict[str, object]) -> tuple[ClientNamespace, list[ChunkKey]]:
-        """The request's keys bound to the namespace (and tenant) it may use."""
+    def bound(self, session: _Session, req: dict[str, object]) -> tuple[ClientNamespace, list[ChunkKey], str]:
+        """The request's keys bound to the namespace (and tenant) it may use, and that tenant."""
         ns = self.namespace_of(session)
         tenant = protocol.text(req, "tenant")
         tenant = ns.tenant if tenant is None else tenant
@@ -249,8 +237,8 @@ class StoreDaemon:
             raise BadRequest(f"uid {session.peer.uid} may not use tenant {tenant!r}")
         keys = bind_keys(session.namespace(tenant), protocol.keys(req))
         assert self.cache is not None
-        self.cache.tag(keys, tenant)
-        return ns, keys
+        self.cache.tag(keys, tenant)  # TENANT-API
+        return ns, keys, tenant
 
     @staticmethod
     def request_name(session: _Session, request_id: str | None) -> str | None:
@@ -270,12 +258,18 @@ class StoreDaemon:
         snap = self.cache.snapshot()
         with self._lock:
             sessions = list(self._sessions)
+        leased, writing = self.leases.counts(s.leases for s in sessions)
+        host = snap["tiers"]["host"]  # type: ignore[index]
         snap["clients"] = len(sessions)
         snap["refused_clients"] = self.refused
-        snap["pinned_chunks"] = sum(len(lease.keys) for s in sessions for lease in list(s.leases.values())
-                                    if not lease.write)
-        snap["writes_in_flight"] = sum(len(lease.writes) for s in sessions for lease in list(s.leases.values())
-                                       if lease.write)
+        snap["pinned_chunks"] = host["pinned"]  # type: ignore[index]
+        """DRAM chunks pinned now, by anyone: clients' read leases, uploads, moves."""
+        snap["leased_pins"] = leased
+        snap["writes_in_flight"] = writing
         snap["orphaned_writes"] = self.leases.orphaned()
+        snap["quarantined_writes"] = self.leases.quarantined()
+        snap["expired_reads"] = self.leases.expired_reads
+        snap["fenced_writes"] = self.leases.fenced_writes
+        snap["threads"] = threading.active_count()
         snap["arena"] = self.arena_name
         return snap

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtier.cache import Slot
+from kvtier.core.placement import Shape
 from kvtier.errors import TierFullError
 from kvtier.server import protocol
 from kvtier.server.leases import Lease
@@ -75,31 +76,60 @@ def _cannot_hold(daemon: StoreDaemon, ns: ClientNamespace) -> str | None:
     return None
 
 def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys = daemon.bound(session, req)
+    ns, keys, _tenant = daemon.bound(session, req)
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
     assert daemon.cache is not None
-    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c))
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c))  # TENANT-API
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
 def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    _, keys = daemon.bound(session, req)
+    _, keys, _tenant = daemon.bound(session, req)
     assert daemon.cache is not None
     names = [t.name for t in daemon.cache.tiers]
-    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys)]}
+    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys)]}  # TENANT-API
+
+def _entry_shapes(req: dict[str, object], ns: ClientNamespace, count: int) -> tuple[Shape, Shape | None]:
+    """(the shape of a full chunk, the shape of the request's last chunk when ``tail_tokens``
+    says it is a partial one): a partial chunk of ``t`` tokens is its own size, ``t`` tokens of
+    every layer, in every tier."""
+    lay = ns.layout
+    tail = protocol.integer(req, "tail_tokens", 0, lay.chunk_tokens - 1, default=0)
+    if tail and not count:
+        raise BadRequest("tail_tokens names the last chunk of a request with no chunks")
+    return ns.shape, (Shape(lay.part_bytes(tail), lay.part_layer_bytes(tail)) if tail else None)
+
+
+def _unique(keys: list[object]) -> None:
+    if len(set(keys)) != len(keys):  # a pin or a slot per key: [k, k] would take k twice
+        raise BadRequest("keys: the same chunk key appears twice in one request")
+
 
 def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys = daemon.bound(session, req)
+    ns, keys, _tenant = daemon.bound(session, req)
+    _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
-    if lease_id in session.leases:
+    full, tail = _entry_shapes(req, ns, len(keys))
+    if daemon.leases.holds(session.leases, lease_id):
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
     use = daemon.use_of(req, session)
-    held = daemon.cache.acquire(keys, entry=ns.shape, start=first, use=use, deadline=_deadline(req))
+    held = daemon.cache.acquire(keys, entry=full, start=first, use=use,  # TENANT-API last_entry=tail
+                                deadline=_deadline(req))  # TENANT-API
+    # every chunk handed out must be exactly the size the client will read: a chunk saved
+    # with another size under this key (a client of this namespace that lied) ends the lease
+    # there, never a view over another entry's bytes
+    want = [full.nbytes] * len(keys)
+    if tail is not None:
+        want[-1] = tail.nbytes
+    good = next((i for i, h in enumerate(held) if h.nbytes != want[i]), len(held))
+    if good < len(held):
+        daemon.cache.release([h.key for h in held[good:]])
+        held = held[:good]
     if held:
         daemon.leases.grant(session.leases, Lease(lease_id, session.client, False, [h.key for h in held],
-                                                first, use, sources=[h.source for h in held]))
+                                                  first, use, sources=[h.source for h in held]))
     return {"ok": True, "lease": lease_id if held else None, "slots": [h.offset for h in held],
             "tiers": [h.source for h in held]}
 
@@ -119,10 +149,12 @@ def release(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     return {"ok": True}
 
 def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys = daemon.bound(session, req)
+    ns, keys, _tenant = daemon.bound(session, req)
+    _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
-    if lease_id in session.leases:
+    full, tail = _entry_shapes(req, ns, len(keys))
+    if daemon.leases.holds(session.leases, lease_id):
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
     lease = Lease(lease_id, session.client, True, keys, first, daemon.use_of(req, session, finished=True))
@@ -133,9 +165,10 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
         for i, key in enumerate(keys):
             if i and time.monotonic() > deadline:
                 break  # answer within the client's timeout: it asks again for the rest
+            shape = tail if tail is not None and i == len(keys) - 1 else full
             try:
-                res = daemon.cache.reserve(key, ns.shape, position=first + i, remaining=len(keys) - i,
-                                           deadline=deadline, fmt=ns.fmt)
+                res = daemon.cache.reserve(key, shape, position=first + i, remaining=len(keys) - i,
+                                           deadline=deadline, fmt=ns.fmt)  # TENANT-API
             except TierFullError:
                 break
             if res is Slot.HELD:
@@ -184,22 +217,22 @@ def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     return {"ok": True, "freed": daemon.leases.forget(session.client, ids)}
 
 def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys = daemon.bound(session, req)
+    ns, keys, _tenant = daemon.bound(session, req)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
-    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req, session), entry=ns.shape, wait=wait)
+    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req, session), entry=ns.shape, wait=wait)  # TENANT-API
     return {"ok": True, "promoted": n}
 
 def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys = daemon.bound(session, req)
+    ns, keys, _tenant = daemon.bound(session, req)
     request_id = protocol.text(req, "request_id")
     if not request_id:
         raise BadRequest("queued needs a request_id")
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
     name = daemon.request_name(session, request_id)
-    return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait)}  # type: ignore[arg-type]
+    return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait)}  # type: ignore[arg-type]  # TENANT-API
 
 def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")

@@ -26,7 +26,7 @@ from kvtier.errors import KVTierError
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE = 8 << 20
-VERSION = 2
+VERSION = 3
 MAX_KEYS = 1 << 16
 """Chunks one request may name (16M tokens of 256-token chunks)."""
 MAX_NAME = 512

@@ -50,11 +50,40 @@ def default_socket_path() -> str:
     return os.path.join(f"/tmp/kvtier-{os.getuid()}", "kvtier.sock")
 
 
-def ensure_socket_dir(path: str) -> None:
-    """Make the default socket's private directory if it is missing."""
+def check_socket_dir(path: str) -> None:
+    """Refuse a default socket's directory that someone else could have made or can write:
+    it must be a directory (not a link) owned by this user, with no access for anyone else.
+    ValueError naming the problem."""
     parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) and parent.startswith("/tmp/kvtier-"):
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+    try:
+        st = os.lstat(parent)
+    except FileNotFoundError:
+        return  # nothing there: a daemon makes it (0700) before it listens
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"the socket directory {parent} is not a directory (a link?): refusing it")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"the socket directory {parent} belongs to uid {st.st_uid}, not to this user "
+                         f"({os.geteuid()}): another user may have made it to impersonate the daemon")
+    if st.st_mode & 0o077:
+        raise ValueError(f"the socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}: others "
+                         "could replace the socket in it (it must be 0700)")
+
+
+def ensure_socket_dir(path: str) -> None:
+    """For the default socket path (:func:`default_socket_path`): make its private directory
+    (0700) if it is missing, and refuse one that is not this user's own and private
+    (ValueError): a directory another user made or can write lets them put a socket of their
+    own there, and every engine would send its KV to it. An explicit path is the operator's
+    choice (``[access] mode``/``group`` for sharing) and is not checked here."""
+    if os.path.abspath(path) != os.path.abspath(default_socket_path()) or os.environ.get("KVTIER_SOCKET"):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if parent.startswith("/tmp/kvtier-"):
+        try:
+            os.mkdir(parent, 0o700)
+        except FileExistsError:
+            pass
+    check_socket_dir(path)
 
 
 class SocketClaim:

@@ -3,6 +3,7 @@ client names in its hello (:class:`ClientNamespace`), checked."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -15,6 +16,10 @@ from kvtier.server.protocol import BadRequest
 from kvtier.tiers.codecs import KVFormat
 
 ANY_UID = "*"
+
+
+def _octal(mode: object) -> str:
+    return oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
 
 
 @dataclass(frozen=True)
@@ -31,19 +36,31 @@ class AccessConfig:
     uid may use any tenant. A uid with no entry and no ``"*"`` is refused."""
     max_clients: int = 1024
     """Connections served at once; more are refused (counted), never left to fail mid-read."""
-    orphan_grace_s: float = 600.0
-    """How long the DRAM slots of a write lease whose connection ended stay reserved when the
-    client's process cannot be watched and never says it stopped writing them."""
+    lease_ttl_s: float = 60.0
+    """How long a lease may be held, on a live connection too: a read lease past it is ended
+    (its pins released, its holder's release refused), a write lease fenced (never committed;
+    its slots stay reserved until its holder ends it). See :mod:`kvtier.server.leases`."""
+    orphan_report_s: float = 600.0
+    """How long the DRAM slots of a write lease whose connection ended may stay reserved, its
+    client neither saying it stopped writing them nor exiting, before a warning reports them
+    as quarantined. They are never freed by time (a late write would land in another chunk)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, int) or not 0 <= self.mode <= 0o777 or self.mode & 0o600 != 0o600:
-            raise ValueError(f"access mode must be like 0o600 or 0o660 (the owner reads and writes), got {self.mode!r}")
+        if (not isinstance(self.mode, int) or isinstance(self.mode, bool) or self.mode & ~0o660
+                or self.mode & 0o600 != 0o600):
+            raise ValueError(
+                f"access mode must be 0o600 or 0o660, or 0o640 (the owner reads and writes; a group "
+                f"may be let in), got {_octal(self.mode)}: every process that can open the socket "
+                "maps the whole arena and reads every tenant's KV, so no access for other users, "
+                "and no execute bits")
         if self.group is not None and (not isinstance(self.group, int) or self.group < 0):
             raise ValueError(f"access group must be a group id, got {self.group!r}")
         if not isinstance(self.max_clients, int) or not 1 <= self.max_clients <= 1 << 20:
             raise ValueError(f"access max_clients must be an int in [1, 1048576], got {self.max_clients!r}")
-        if not isinstance(self.orphan_grace_s, (int, float)) or self.orphan_grace_s < 0:
-            raise ValueError(f"access orphan_grace_s must be seconds >= 0, got {self.orphan_grace_s!r}")
+        for name in ("lease_ttl_s", "orphan_report_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"access {name} must be a number of seconds > 0, got {value!r}")
         if self.tenants is not None:
             for uid, names in self.tenants.items():
                 if uid != ANY_UID and not (isinstance(uid, str) and uid.isdigit()):
