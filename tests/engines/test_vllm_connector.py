@@ -240,7 +240,8 @@ def test_loads_between_steps_give_vllms_own_output(env, tiny_model_dir, referenc
 
     between = []
     real = WorkerSide._load_between_steps
-    monkeypatch.setattr(WorkerSide, "_load_between_steps", lambda self, t: (between.append(t.req_id), real(self, t)))
+    monkeypatch.setattr(WorkerSide, "_load_between_steps",
+                        lambda self, t, *more: (between.append(t.req_id), real(self, t, *more)))
     daemon = Daemon(tmp_path, tiny_model_dir, host_chunks=24).start()
     llm = make_llm(tiny_model_dir, daemon.socket, load_async=True)
     try:

@@ -51,19 +51,28 @@ class FakeClient:
         self.released: list[dict] = []
         self.stored: dict[bytes, torch.Tensor] = {}
 
-    def acquire(self, keys, first=0, request=None):
+    @staticmethod
+    def sizes(keys, tail_tokens):
+        sizes = [LAYOUT.chunk_bytes] * len(keys)
+        if tail_tokens:
+            sizes[-1] = LAYOUT.part_bytes(tail_tokens)  # a partial chunk is its own size
+        return sizes
+
+    def acquire(self, keys, first=0, request=None, tail_tokens=0):
         n = self.give.get(request, len(keys))
         if n == 0:
             return None
-        views = [self.stored.get(k, torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8)) for k in keys[:n]]
+        views = [self.stored.get(k, torch.zeros(size, dtype=torch.uint8))
+                 for k, size in zip(keys[:n], self.sizes(keys, tail_tokens))]
         return FakeLease(keys[:n], views, request)
 
     def release(self, lease, **report):
         self.released.append({"request": lease.request, **report})
         return lease.request not in self.lose
 
-    def reserve(self, keys, first=0, request=None):
-        return FakeLease(keys, [torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8) for _ in keys], request)
+    def reserve(self, keys, first=0, request=None, tail_tokens=0):
+        return FakeLease(keys, [torch.zeros(size, dtype=torch.uint8) for size in self.sizes(keys, tail_tokens)],
+                         request)
 
     def commit(self, lease):
         self.committed.append((lease.request, list(lease.keys)))
@@ -95,8 +104,10 @@ def step(w: WorkerSide, meta: KVTierMetadata, *, loads_after_forward=False, erro
     if errors_first:  # speculative decoding: vLLM asks before the deferred wait_for_save, and
         errors = w.get_block_ids_with_load_errors()  # not again in this step
         w.wait_for_save()
+        w._calls.drain()  # the step's commits, which it does not wait for
         return errors
     w.wait_for_save()
+    w._calls.drain()
     return w.get_block_ids_with_load_errors()
 
 
@@ -175,6 +186,7 @@ def test_a_forward_pass_that_raised_commits_nothing_though_vllm_ends_the_step():
     w.start_load_kv()
     w.save_kv_layer("l0", w.kv[0])  # layer 1 never runs
     w.wait_for_save()
+    w._calls.drain()
     assert client.committed == [] and client.abandoned == ["A"]
     step(w, KVTierMetadata(saves=[Transfer("B", [key(2)], 2, blocks + [4, 5])], writes=[Write("B", blocks + [4, 5], 16, 24)]))
     assert client.committed == []  # B attended to what the failed step computed

@@ -70,6 +70,14 @@ def attention_backend(vllm_config) -> str:  # type: ignore[no-untyped-def]
     return str(backend.get_name())
 
 
+def _seconds(cfg, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+    """A positive number from ``kv_connector_extra_config`` (ValueError naming it otherwise)."""
+    value = cfg.get_from_extra_config(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"kv_connector_extra_config.{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _ranks(role: KVConnectorRole) -> tuple[int, int]:
     """This worker's (tensor-parallel, pipeline-parallel) ranks; (0, 0) in the scheduler."""
     if role != KVConnectorRole.WORKER:
@@ -125,15 +133,24 @@ class KVTierConnector(KVConnectorBase_V1):
         fmt = page_format(self.backend, self.layout.dtype if cache_dtype == "auto" else f"kv{cache_dtype}",
                           self.block_size, tp_rank, tp_size)
         self.page_format = fmt + (f"-pp{pp_rank}of{pp_size}" if pp_size > 1 else "")
-        retry_s = float(cfg.get_from_extra_config("retry_s", 1.0))
+        retry_s = _seconds(cfg, "retry_s", 1.0)
+        wait_s = _seconds(cfg, "wait_ms", 20.0) / 1000
+        load_wait_s = _seconds(cfg, "load_wait_ms", 1000.0) / 1000
+        lookup_deadline_s = _seconds(cfg, "lookup_deadline_ms", 2000.0) / 1000
+        daemon_uid = cfg.get_from_extra_config("daemon_uid", None)
+        if daemon_uid is not None and (not isinstance(daemon_uid, int) or isinstance(daemon_uid, bool)):
+            raise ValueError(f"kv_connector_extra_config.daemon_uid must be a user id, got {daemon_uid!r}")
         instance = str(getattr(cfg, "engine_id", "") or "")  # shared by the scheduler and its workers
+        worker = role == KVConnectorRole.WORKER
 
-        def client() -> StoreClient:
+        def client(**kw: object) -> StoreClient:
             return StoreClient(str(socket_path) if socket_path else None, model=self.model_id,
                                layout=self.layout, page_format=self.page_format, retry_s=retry_s,
-                               instance=instance or None)
+                               instance=instance or None, daemon_uid=daemon_uid,
+                               map_arena=worker, **kw)  # the scheduler reads no chunk: it maps nothing
 
-        self.client = client()
+        # the step's calls: the daemon answers an acquire within half of what the step waits
+        self.client = client(budget_s=load_wait_s / 2) if worker else client()
         self._other = client()  # hints (scheduler) / background saves (worker): their own connection
         self._role = role
         self.scheduler: SchedulerSide | None = None
@@ -145,12 +162,14 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.error("kvtier: %s; disabled", exc)
                 adapter = None
             self.worker = WorkerSide(self.client, self._other, self.layout, self.block_size, adapter,
-                                     _tp_agree() if tp_size > 1 else None)
+                                     _tp_agree() if tp_size > 1 else None, wait_s=wait_s,
+                                     load_wait_s=load_wait_s)
         else:
             load_async = cfg.get_from_extra_config("load_async", False)
             if not isinstance(load_async, bool):
                 raise ValueError(f"kv_connector_extra_config.load_async must be true or false, got {load_async!r}")
-            self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async)
+            self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async,
+                                           wait_s=wait_s, lookup_deadline_s=lookup_deadline_s)
 
     # ==================================================================== scheduler side
     def _sched(self) -> SchedulerSide:
@@ -237,6 +256,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self):  # type: ignore[no-untyped-def]
+        return self._work().take_meta()
 
     def shutdown(self) -> None:
         if self.scheduler is not None:

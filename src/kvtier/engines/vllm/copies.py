@@ -1,12 +1,22 @@
 """Copies between the daemon's arena (host memory) and vLLM's KV blocks, wherever those are.
 
-On CPU a copy is a plain tensor copy, done when it returns. On CUDA (the arena is page-locked
-when a GPU is present: :class:`kvtier.server.connection.Arena`) loads are issued on a side
-stream, non-blocking, with one event per layer: ``wait_layer`` makes the compute stream wait for
-that layer's event -- the GPU waits, the host does not -- and nothing calls a global
-synchronize on the hot path. Saves wait for the compute stream's work so far (the layer just
-computed) on a save stream of their own; ``sync`` / ``sync_saves`` wait for a stream's copies
-before the lease over their host slots ends, after the forward pass.
+On CPU a copy is a plain tensor copy, done when it returns. On CUDA (the worker page-locks the
+arena when its KV is on a GPU: :class:`kvtier.server.connection.Arena`) the ordering is made by
+construction, never by a global synchronize on the hot path:
+
+- loads are issued on a side stream, non-blocking. Before its first copy the stream waits for
+  the compute stream's work issued so far (``start``, called on the engine's thread): a kernel
+  still writing or reading a destination block (a block just freed and handed to this load)
+  finishes first, and the load wins. Loads between steps wait likewise for an event recorded
+  on the compute stream when they were planned (``mark``). One event per layer: ``wait_layer``
+  makes the compute stream wait for that layer's copies -- the GPU waits, the host does not;
+- saves wait on a save stream of their own for the compute stream's work so far (the layer
+  just computed);
+- block-index tensors are made once per chunk and step (``ids``): built in page-locked host
+  memory and copied non-blocking on the stream that uses them, so no layer forces a host
+  synchronization;
+- ``sync`` / ``sync_saves`` wait for a stream's copies before the lease over their host slots
+  ends, after the forward pass.
 """
 
 from __future__ import annotations
@@ -30,12 +40,37 @@ class Copier:
             self._events = [torch.cuda.Event() for _ in range(num_layers)]
 
     def ids(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        """Block indices on the device, for the current stream (its work comes after the copy:
+        make it on the stream that uses it, once per chunk and step, not per layer)."""
+        if not self.cuda:
+            return torch.tensor(block_ids, dtype=torch.long)
+        host = torch.tensor(block_ids, dtype=torch.long).pin_memory()
+        return host.to(self.device, non_blocking=True)  # the caching allocator keeps host alive
+
+    def load_ids(self, block_ids: list[int]) -> torch.Tensor:
+        """:meth:`ids` for the load stream (made on it)."""
+        if not self.cuda:
+            return self.ids(block_ids)
+        with torch.cuda.stream(self._load_stream):
+            return self.ids(block_ids)
 
     # -- loads (one thread per step issues them, layer after layer) ----------------------------
     def start(self) -> None:
+        """A step's loads begin (on the engine's thread, before the copy thread issues any):
+        they come after every kernel the compute stream has been given so far."""
         for event in self._layers:
             event.clear()
+        if self.cuda:
+            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event on the compute stream now (the engine's thread), for a load between steps
+        to wait for (:meth:`load_now`)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def up(self, pages: torch.Tensor) -> torch.Tensor:
         """Host pages as the device needs them (a non-blocking copy on the load stream)."""
@@ -73,12 +108,24 @@ class Copier:
             self._load_stream.synchronize()
 
     # -- loads between steps (vLLM's async loading: a thread of their own) ----------------------
-    def load_now(self, kv: torch.Tensor, adapter, block_ids: list[int], pages: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    def load_now(self, kv: torch.Tensor, adapter, ids: torch.Tensor, pages: torch.Tensor,  # type: ignore[no-untyped-def]
+                 after: torch.cuda.Event | None = None) -> None:
+        """Copy ``pages`` into blocks ``ids`` (made by :meth:`bg_ids`) of ``kv``, after ``after``
+        (:meth:`mark`, when the load was planned)."""
         if not self.cuda:
-            adapter.scatter(kv, self.ids(block_ids), pages)
+            adapter.scatter(kv, ids, pages)
             return
         with torch.cuda.stream(self._bg_load_stream):
-            adapter.scatter(kv, self.ids(block_ids), pages.to(self.device, non_blocking=True))
+            if after is not None:
+                self._bg_load_stream.wait_event(after)
+            adapter.scatter(kv, ids, pages.to(self.device, non_blocking=True))
+
+    def bg_ids(self, block_ids: list[int]) -> torch.Tensor:
+        """:meth:`ids` for loads between steps (made on their stream)."""
+        if not self.cuda:
+            return self.ids(block_ids)
+        with torch.cuda.stream(self._bg_load_stream):
+            return self.ids(block_ids)
 
     def sync_now(self) -> None:
         if self.cuda:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvtier.core.keys import ChunkKey
 
@@ -73,3 +76,19 @@ class KVTierMetadata(KVConnectorMetadata):
     """Chunks of finished requests (their blocks kept until saved): saved in the background,
     the request reported through ``get_finished`` when done."""
     writes: list[Write] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler half after a step (vLLM aggregates the ranks' and
+    hands it to ``update_connector_output``)."""
+
+    unsaved: dict[str, int] = field(default_factory=dict)
+    """Request -> the first chunk of a save this step planned but skipped because the daemon
+    did not answer in time: the scheduler plans it again (the request's blocks still hold it)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
+        out = dict(self.unsaved)
+        for rid, first in getattr(other, "unsaved", {}).items():
+            out[rid] = min(first, out.get(rid, first))
+        return KVTierWorkerMeta(out)

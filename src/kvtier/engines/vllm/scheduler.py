@@ -20,23 +20,36 @@ then for the longest held partial chunk after it, and remembers what it found fo
 ``update_state_after_alloc``. It changes nothing in vLLM or in the connector's state; the
 daemon counts the lookup and its policy sees the chunks touched (under the request's id, so a
 request looked up twice is one use).
+
+vLLM's engine loop never waits on the daemon for long (:mod:`.calls`): a lookup runs on a thread
+of its own, and the loop waits for it at most ``wait_s`` (20 ms by default). One not back by
+then is asked about again at the next step (vLLM's "not determined yet": the request waits, the
+others run), and is a miss once ``lookup_deadline_s`` has passed since it was made; while the
+daemon has not answered a call for longer than ``wait_s`` (it is stalled), new requests miss at
+once without a call. Hints (queued, started, finished) go out on another thread and are dropped,
+counted, while :data:`MAX_HINTS` of them wait.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
-from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
+from kvtier.engines.vllm.calls import Calls
+from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
 
+MAX_HINTS = 1024
+"""Hints waiting to be sent at most; more are dropped (a stalled daemon must not grow a queue)."""
+MAX_PENDING_LOOKUPS = 4096
 LOOKUP_REUSE_S = 1.0
 """How long a waiting request's lookup is reused while vLLM asks again each step (the daemon
 is asked once a second at most, not every step; a chunk evicted meanwhile is a failed load,
@@ -78,6 +91,16 @@ class _Lookup:
 
 
 @dataclass
+class _Pending:
+    """A lookup made for a request, not answered yet."""
+
+    future: Future
+    num_tokens: int
+    local: int
+    since: float
+
+
+@dataclass
 class _Tracked:
     request: object  # vLLM's Request: its all_token_ids grow as it generates
     phase: Phase = Phase.WAITING
@@ -90,8 +113,19 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int,
-                 load_async: bool = False) -> None:
+                 load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0) -> None:
         self.client = client
+        self.wait_s = wait_s
+        """How long the engine loop waits for a lookup at most, each time vLLM asks."""
+        self.lookup_deadline_s = lookup_deadline_s
+        """How long after it was made a lookup not answered yet is a miss."""
+        self._calls = Calls("kvtier-lookup")
+        self._pending: dict[str, _Pending] = {}
+        self._hint_lock = threading.Lock()
+        self._hints_waiting = 0
+        self.hints_dropped = 0
+        self.lookups_missed = 0
+        """Lookups that were misses because the daemon did not answer in time."""
         self.load_async = load_async
         """Load between steps (vLLM schedules the request once the worker reports its load
         done) instead of layer by layer inside the step that computes the rest of it."""
@@ -158,22 +192,47 @@ class SchedulerSide:
         return tr.keys[:chunks]
 
     # -- lookups -------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
         n = len(request.all_token_ids) - 1  # one token must be left to compute
         if skipped(request) or n < self.block_size or rid in self._load_failed:
             return 0, False  # (a request whose load failed is computed, not offered it again)
         seen = self._lookups.get(rid)
+        now = time.monotonic()
         if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens) \
-                and time.monotonic() - seen.at < LOOKUP_REUSE_S:
+                and now - seen.at < LOOKUP_REUSE_S:
             external = max(0, seen.chunks * self.chunk + seen.tail * self.block_size - num_computed_tokens)
             return external, self.load_async and external > 0
-        tokens = list(request.all_token_ids)
-        try:
-            keys = self._full_keys(request, tokens[:n])
-        except DaemonUnavailable:
-            return 0, False
-        tiers = self.client.lookup_keys(keys, num_tokens=n, request=rid)
+        pending = self._pending.get(rid)
+        if pending is not None and (pending.num_tokens, pending.local) != (n, num_computed_tokens):
+            pending = None  # asked about other tokens now: that answer is of no use
+        if pending is None:
+            if self._calls.stalled(self.lookup_deadline_s) or len(self._pending) >= MAX_PENDING_LOOKUPS:
+                self.lookups_missed += 1  # a call has been waiting longer than this one may:
+                return 0, False           # the daemon is stalled, a miss now without a call
+            tokens = list(request.all_token_ids)
+            future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
+            pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
+        # wait a little inline, unless a call is already late (then every waiting request would
+        # add its wait to this step): the answer is then asked for at the next step
+        wait = 0.0 if self._calls.stalled(self.wait_s) else self.wait_s
+        found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
+                                 None)
+        if found is None:
+            if pending.future.done() or time.monotonic() - pending.since >= self.lookup_deadline_s:
+                del self._pending[rid]  # failed, or too late: a miss (a late answer is dropped)
+                self.lookups_missed += not pending.future.done()
+                return 0, False
+            return None, False  # not determined yet: vLLM asks again at its next step
+        del self._pending[rid]
+        self._lookups[rid] = found
+        external = max(0, found.chunks * self.chunk + found.tail * self.block_size - num_computed_tokens)
+        return external, self.load_async and external > 0
+
+    def _lookup(self, request, tokens: list[int], n: int, num_computed_tokens: int) -> _Lookup:  # type: ignore[no-untyped-def]
+        """The daemon's answer for ``tokens[:n]`` (on the lookups' thread)."""
+        keys = self._full_keys(request, tokens[:n])
+        tiers = self.client.lookup_keys(keys, num_tokens=n, request=str(request.request_id))
         m = len(tiers)
         tail = 0
         room = min(self.per_chunk - 1, (n - m * self.chunk) // self.block_size)
@@ -185,15 +244,12 @@ class SchedulerSide:
             if tail:
                 keys = [*keys[:m], candidates[sizes.index(tail)]]
                 tiers = [*tiers, str(held[sizes.index(tail)])]
-        hit = m * self.chunk + tail * self.block_size
-        self._lookups[rid] = _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers,
-                                     time.monotonic())
-        external = max(0, hit - num_computed_tokens)
-        return external, self.load_async and external > 0
+        return _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers, time.monotonic())
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
         found = self._lookups.pop(rid, None)
+        self._pending.pop(rid, None)
         tr = self._tracked.get(rid)
         if tr is None:
             tr = self._tracked[rid] = _Tracked(request)
@@ -201,7 +257,7 @@ class SchedulerSide:
         tr.phase = Phase.RUNNING
         if skipped(request):
             return
-        self._hints.submit(self._hint, "started", rid)
+        self._hint_later(self._hint, "started", rid)
         if found is not None:
             tr.stored = max(tr.stored, found.chunks)
         if num_external_tokens <= 0:
@@ -302,12 +358,13 @@ class SchedulerSide:
         save (vLLM keeps its blocks until the worker reports it in ``get_finished``)."""
         rid = str(request.request_id)
         self._lookups.pop(rid, None)
+        self._pending.pop(rid, None)
         self._sources.pop(rid, None)
         self._loading.pop(rid, None)
         self._load_failed.discard(rid)
         tr = self._tracked.pop(rid, None)
         if tr is not None and not skipped(request):
-            self._hints.submit(self._hint, "finished", rid)
+            self._hint_later(self._hint, "finished", rid)
         if tr is None or skipped(request) or tr.phase in (Phase.PREEMPTED, Phase.WAITING, Phase.LOADING):
             # (a request aborted while it loads between steps: vLLM keeps its blocks until the
             # load is reported done, and they hold nothing kvtier lacks)
@@ -337,7 +394,15 @@ class SchedulerSide:
     def update_connector_output(self, output) -> None:  # type: ignore[no-untyped-def]
         """A step's outcome from the workers: a request whose load failed (vLLM recomputes the
         blocks) is not offered kvtier's chunks again -- a load that fails for good (a rank that
-        lacks its shard, a worker that is disabled) must not be retried forever."""
+        lacks its shard, a worker that is disabled) must not be retried forever; a save a
+        worker skipped because the daemon was slow is planned again (its blocks still hold it:
+        the request runs, or is finishing with its blocks kept)."""
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMeta):
+            for rid, first in meta.unsaved.items():  # saves a worker skipped: planned again
+                tr = self._tracked.get(rid)
+                if tr is not None and first < tr.stored:
+                    tr.stored = first
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         for rid in list(self._loading):
             if bad and bad.intersection(self._loading[rid]):
@@ -356,7 +421,24 @@ class SchedulerSide:
         if skipped(request):
             return
         rid, tokens = str(request.request_id), list(request.all_token_ids)[:-1]
-        self._hints.submit(self._queued, request, rid, tokens)
+        self._hint_later(self._queued, request, rid, tokens)
+
+    def _hint_later(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        """Send a hint on the hints' thread; dropped (counted) while :data:`MAX_HINTS` wait."""
+        with self._hint_lock:
+            if self._hints_waiting >= MAX_HINTS:
+                self.hints_dropped += 1
+                return
+            self._hints_waiting += 1
+
+        def send() -> None:
+            try:
+                fn(*args)
+            finally:
+                with self._hint_lock:
+                    self._hints_waiting -= 1
+
+        self._hints.submit(send)
 
     def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
         try:
@@ -376,3 +458,4 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._hints.shutdown(wait=False)
+        self._calls.close(wait=False)

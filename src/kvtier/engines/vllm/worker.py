@@ -9,6 +9,13 @@ slots -- a write lease -- at the first layer, copy each layer's finished pages i
 background saves of finished requests) and ``get_finished`` (the finished requests whose save
 is done: vLLM frees their blocks).
 
+The engine loop never waits on the daemon for long (:mod:`.calls`): the step's daemon calls run
+on a thread of their own, and the step waits for a load's acquire and release at most
+``load_wait_s`` (a load not confirmed by then is a load error: vLLM recomputes those blocks) and
+for a save's reserve at most ``wait_s`` (a save skipped so is reported to the scheduler, which
+plans it again); commits are not waited for at all. A lease that comes back after the step gave
+up on it is ended at once on that thread.
+
 What may be saved: a block is *suspect* when its load failed, or when it was computed over a
 suspect block (vLLM's prefix cache shares blocks between requests, and a step scheduled before
 a failure was known computes over it too), until a step computes it again from its first token.
@@ -25,18 +32,29 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.core.layout import KVLayout
+from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.copies import Copier
 from kvtier.engines.vllm.pages import PageAdapter
-from kvtier.engines.vllm.plan import KVTierMetadata, Transfer
+from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer
 from kvtier.server.client import ReadLease, StoreClient, WriteLease
 
 log = logging.getLogger(__name__)
 
+_LATE = object()
+"""A call the step stopped waiting for."""
+
 
 class WorkerSide:
     def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
-                 adapter: PageAdapter | None, agree=None) -> None:  # type: ignore[no-untyped-def]
+                 adapter: PageAdapter | None, agree=None, wait_s: float = 0.02,  # type: ignore[no-untyped-def]
+                 load_wait_s: float = 1.0) -> None:
         self.client = client
+        self.wait_s = wait_s
+        self.load_wait_s = load_wait_s
+        self._calls = Calls("kvtier-step")
+        self._unsaved: dict[str, int] = {}
+        """Saves of this step skipped because the daemon did not answer in time (request ->
+        first chunk), for the scheduler (:meth:`take_meta`)."""
         self._bg_client = background
         self.layout = layout
         self.block_size = block_size
@@ -51,12 +69,14 @@ class WorkerSide:
         self._suspect: set[int] = set()
         self._failed: set[int] = set()
         """Blocks to report to vLLM as load errors (reported once, then cleared)."""
+        self._page_bytes = 0
         self._meta = KVTierMetadata()
         self._loaded = False
         self._load_thread: threading.Thread | None = None
         self._copy_failed = False
         self._leases: list[tuple[Transfer, ReadLease]] = []
         self._saves: list[WriteLease | None] | None = None
+        self._save_ids: dict[tuple[int, int], torch.Tensor] = {}
         """The write leases of this step's saves, one per planned save (None: not saved)."""
         self._layers_saved = 0
         self._ended = True
@@ -87,10 +107,14 @@ class WorkerSide:
             if self.adapter.page_bytes(self.kv[0]) * self.per_chunk != self.layout.layer_bytes:
                 raise ValueError(f"a page of {self.adapter.page_bytes(self.kv[0])} bytes does not fit "
                                  f"{self.per_chunk} pages per chunk layer of {self.layout.layer_bytes} bytes")
+            self._page_bytes = self.adapter.page_bytes(self.kv[0])
         except ValueError as exc:
             log.error("kvtier disabled in this worker: %s", exc)
             return
         self._copier = Copier(self.kv[0].device, len(self.kv))
+        if self.kv[0].device.type == "cuda":  # page-locked arena: device copies at full speed
+            self.client.pin_arena = True
+            self._bg_client.pin_arena = True
         self.enabled = True
 
     # -- a step --------------------------------------------------------------------------------
@@ -119,8 +143,9 @@ class WorkerSide:
         self._loaded = True
         loads = [t for t in self._meta.loads if not t.background]
         for t in self._meta.loads:
-            if t.background:
-                self._receiving.submit(self._load_between_steps, t)
+            if t.background:  # after what the compute stream was given so far (a freed block)
+                after = self._copier.mark() if self._copier is not None else None
+                self._receiving.submit(self._load_between_steps, t, after)
         if not loads:
             return
         if not self.enabled:
@@ -129,7 +154,7 @@ class WorkerSide:
             return
         plan: list[tuple[Transfer, list[torch.Tensor]]] = []
         for load in loads:
-            lease = self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id) if load.keys else None
+            lease = self._acquire(load) if load.keys else None
             views = lease.views if lease is not None else []
             if lease is not None:
                 self._leases.append((load, lease))
@@ -146,17 +171,20 @@ class WorkerSide:
     def _copy_in(self, plan: list[tuple[Transfer, list[torch.Tensor]]]) -> None:
         assert self._copier is not None
         a = self.adapter
+        copier = self._copier
         try:
+            ids = {(n, j): copier.load_ids([load.block_ids[i] for i in load.lacking(j, self.per_chunk)])
+                   for n, (load, views) in enumerate(plan) for j in range(len(views))
+                   if load.lacking(j, self.per_chunk)}  # once a step, not once a layer
             for layer, kv in enumerate(self.kv):
-                for load, views in plan:
+                for n, (load, views) in enumerate(plan):
                     for j, view in enumerate(views):
                         idx = load.lacking(j, self.per_chunk)
                         if not idx:
                             continue
                         pages = self._lacking_pages(view, layer, kv, load, j, idx)
-                        dst = [load.block_ids[i] for i in idx]
-                        self._copier.load(lambda k=kv, d=dst, p=pages: a.scatter(k, self._copier.ids(d), self._copier.up(p)))
-                self._copier.layer_done(layer)
+                        copier.load(lambda k=kv, d=ids[(n, j)], p=pages: a.scatter(k, d, copier.up(p)))
+                copier.layer_done(layer)
         except BaseException:
             self._copy_failed = True  # every block of this step's loads is reported failed
             log.exception("kvtier: copying cached KV into vLLM's blocks failed")
@@ -177,21 +205,23 @@ class WorkerSide:
         self._layers_saved += 1  # (every layer of this rank ran: the step's forward pass is whole)
         if not self._meta.saves or not self.enabled:
             return
+        assert self._copier is not None
         if self._saves is None:  # the step's first layer: reserve the slots
             self._spread()  # as known now; wait_for_save decides with what the step's loads report
             self._saves = [None if self._is_suspect(save)  # computed over blocks that never arrived
-                           else self.client.reserve(save.keys, first=save.first_chunk, request=save.req_id)
-                           for save in self._meta.saves]
-        assert self._copier is not None
-        for save, lease in zip(self._meta.saves, self._saves, strict=True):
+                           else self._reserve(save, 0) for save in self._meta.saves]
+            self._save_ids = {(n, j): self._copier.ids([save.block_ids[i] for i in save.blocks(j, self.per_chunk)])
+                              for n, (save, lease) in enumerate(zip(self._meta.saves, self._saves, strict=True))
+                              if lease is not None for j, view in enumerate(lease.views) if view is not None}
+        for n, (save, lease) in enumerate(zip(self._meta.saves, self._saves, strict=True)):
             if lease is None:
                 continue
             for j, view in enumerate(lease.views):
                 if view is None:
                     continue
-                ids = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
-                dst = self._layer_pages(view, layer, kv_layer, len(ids))
-                self._copier.save(dst, self.adapter.gather(kv_layer, self._copier.ids(ids)))
+                ids = self._save_ids[(n, j)]
+                dst = self._layer_pages(view, layer, kv_layer, len(save.blocks(j, self.per_chunk)))
+                self._copier.save(dst, self.adapter.gather(kv_layer, ids))
 
     def _finish_loads(self) -> None:
         """Join the copies, end the step's read leases; blocks copied under a lease the daemon
@@ -205,8 +235,7 @@ class WorkerSide:
         for load, lease in self._leases:
             took = self._took(load, len(lease.views))
             had = sum(c - t for t in took) if not load.tail_blocks else 0
-            intact = self.client.release(lease, took=took, had=had,
-                                         failed=len(lease.views) if self._copy_failed else 0)
+            intact = self._release(lease, took, had, len(lease.views) if self._copy_failed else 0)
             blocks = load.lacking_ids(range(len(lease.views)), self.per_chunk)
             if not intact or self._copy_failed:
                 self._fail(blocks)
@@ -218,30 +247,38 @@ class WorkerSide:
         """Tokens vLLM takes of each of the first ``chunks`` chunks of ``load``."""
         return [len(load.lacking(j, self.per_chunk)) * self.block_size for j in range(chunks)]
 
-    def _layer_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, count: int) -> torch.Tensor:
-        """The first ``count`` pages of ``layer`` in a chunk's slot ``view``, in ``kv``'s shape."""
-        lo = self.layout.layer_offset(layer)
-        return self.adapter.pages(view[lo : lo + self.layout.layer_bytes], kv, count)
+    def _tail_tokens(self, t: Transfer) -> int:
+        """Tokens of the transfer's last chunk when it is a partial one (0: all full)."""
+        return t.tail_blocks * self.block_size
+
+    def _layer_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, pages: int) -> torch.Tensor:
+        """The ``pages`` pages of ``layer`` in the slot ``view`` of a chunk of that many pages a
+        layer (``per_chunk``, or a partial chunk's own: it is stored at its own size), in
+        ``kv``'s shape."""
+        n = pages * self._page_bytes
+        return self.adapter.pages(view[layer * n : (layer + 1) * n], kv, pages)
 
     def _lacking_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, load: Transfer, j: int,
                        idx: list[int]) -> torch.Tensor:
         """The pages of blocks ``idx`` (``load.lacking(j)``, consecutive) in ``layer`` of
         ``keys[j]``'s slot ``view``."""
         first = (load.first_chunk + j) * self.per_chunk
-        return self._layer_pages(view, layer, kv, self.per_chunk)[idx[0] - first : idx[-1] - first + 1]
+        pages = len(load.blocks(j, self.per_chunk))
+        return self._layer_pages(view, layer, kv, pages)[idx[0] - first : idx[-1] - first + 1]
 
     def _fail(self, blocks: list[int]) -> None:
         with self._done_lock:
             self._failed.update(blocks)
         self._suspect.update(blocks)
 
-    def _load_between_steps(self, load: Transfer) -> None:
+    def _load_between_steps(self, load: Transfer, after: torch.cuda.Event | None = None) -> None:
         """vLLM's async loading: the request waits, out of the batch, until ``get_finished``
         reports it; blocks that did not arrive are reported as load errors first."""
         wanted = load.lacking_ids(range(len(load.keys)), self.per_chunk)
         good: list[int] = []
         try:
-            lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id) \
+            lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
+                                            tail_tokens=self._tail_tokens(load)) \
                 if load.keys and self.enabled else None
             if lease is not None:
                 assert self._copier is not None
@@ -250,9 +287,10 @@ class WorkerSide:
                     for j, view in enumerate(lease.views):
                         idx = load.lacking(j, self.per_chunk)
                         if idx:
+                            ids = self._copier.bg_ids([load.block_ids[i] for i in idx])
                             for layer, kv in enumerate(self.kv):
                                 pages = self._lacking_pages(view, layer, kv, load, j, idx)
-                                self._copier.load_now(kv, self.adapter, [load.block_ids[i] for i in idx], pages)
+                                self._copier.load_now(kv, self.adapter, ids, pages, after)
                         good += [load.block_ids[i] for i in idx]
                     self._copier.sync_now()
                     copied = True
@@ -319,6 +357,7 @@ class WorkerSide:
         meta = self._meta
         leases = self._saves if self._saves is not None else [None] * len(meta.saves)
         self._saves = None
+        self._save_ids = {}
         # one flag per planned save and finish, in the plan's order, on every rank alike
         ok = [lease is not None and not failed and not self._is_suspect(save)
               for save, lease in zip(meta.saves, leases, strict=True)]
@@ -331,11 +370,11 @@ class WorkerSide:
             if lease is None:
                 continue
             if not good:
-                self.client.abandon(lease)
+                self._calls.submit(lambda lease=lease: self.client.abandon(lease))
                 continue
-            self.client.commit(lease)
+            self._calls.submit(lambda lease=lease: self.client.commit(lease))  # not waited for
             if len(lease.views) < len(save.keys):
-                self._save_rest(self.client, save, len(lease.views))
+                self._save_rest(self.client, save, len(lease.views), in_step=True)
         for f, good in zip(meta.finishes, ok[len(meta.saves) :], strict=True):
             if good:
                 self._finishing.submit(self._finish, f)
@@ -355,25 +394,74 @@ class WorkerSide:
         with self._done_lock:
             self._done.add(req_id)
 
-    def _save_rest(self, client: StoreClient, save: Transfer, done: int) -> None:
+    def _save_rest(self, client: StoreClient, save: Transfer, done: int, in_step: bool = False) -> None:
         """Save chunks ``done...`` of ``save`` in rounds, all layers at once (chunks that found no
         DRAM slot at the first layer, or a finished request's): while one round's chunks are
-        committed and demoted, the next round finds room."""
+        committed and demoted, the next round finds room. ``in_step``: inside vLLM's step, with
+        the step's bounded waits (else on a background thread, with plain calls)."""
         assert self._copier is not None
         while done < len(save.keys):
-            lease = client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id)
+            lease = self._reserve(save, done) if in_step else client.reserve(
+                save.keys[done:], first=save.first_chunk + done, request=save.req_id,
+                tail_tokens=self._tail_tokens(save))
             if lease is None or not lease.views:
                 return  # no room at all now (everything pinned), or the daemon is away
             for j, view in enumerate(lease.views):
                 if view is None:
                     continue
-                ids = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
+                blocks = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
+                ids = self._copier.ids(blocks)  # once a chunk, not once a layer
                 for layer, kv in enumerate(self.kv):
-                    dst = self._layer_pages(view, layer, kv, len(ids))
-                    self._copier.save(dst, self.adapter.gather(kv, self._copier.ids(ids)), background=True)
+                    dst = self._layer_pages(view, layer, kv, len(blocks))
+                    self._copier.save(dst, self.adapter.gather(kv, ids), background=True)
             self._copier.sync_saves(background=True)
-            client.commit(lease)
+            if in_step:
+                self._calls.submit(lambda lease=lease: client.commit(lease))
+            else:
+                client.commit(lease)
             done += len(lease.views)
+
+    # -- the step's daemon calls, with bounded waits ---------------------------------------------
+    def _acquire(self, load: Transfer) -> ReadLease | None:
+        """A read lease for ``load`` within ``load_wait_s``, else None (its blocks fail)."""
+        got = self._calls.call(
+            lambda: self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
+                                        tail_tokens=self._tail_tokens(load)),
+            self.load_wait_s, _LATE, late=lambda lease: self._end_late_read(lease))
+        return None if got is _LATE else got  # type: ignore[return-value]
+
+    def _end_late_read(self, lease: ReadLease | None) -> None:
+        if lease is not None:  # nothing was copied through it
+            self.client.release(lease, took=[0] * len(lease.keys))
+
+    def _release(self, lease: ReadLease, took: list[int], had: int, failed: int) -> bool:
+        """Whether the daemon confirms the lease intact within ``load_wait_s`` (else, unsure:
+        its blocks fail)."""
+        got = self._calls.call(lambda: self.client.release(lease, took=took, had=had, failed=failed),
+                               self.load_wait_s, _LATE)
+        if got is _LATE and not lease.ended:  # never sent (the daemon is stalled): it still must be
+            self._calls.submit(lambda: lease.ended or self.client.release(lease, took=[0] * len(lease.keys)))
+        return got is True
+
+    def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
+        """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none
+        now. A reserve the daemon did not answer in time is reported (:meth:`take_meta`)."""
+        got = self._calls.call(
+            lambda: self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id,
+                                        tail_tokens=self._tail_tokens(save)),
+            self.wait_s, _LATE, late=lambda lease: lease is not None and self.client.abandon(lease))
+        if got is _LATE:
+            first = save.first_chunk + done
+            self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
+            return None
+        return got  # type: ignore[return-value]
+
+    def take_meta(self) -> KVTierWorkerMeta | None:
+        """What to tell the scheduler after this step (saves it must plan again), once."""
+        if not self._unsaved:
+            return None
+        meta, self._unsaved = KVTierWorkerMeta(self._unsaved), {}
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()  # (vLLM may ask before wait_for_save, with speculative decoding)
@@ -391,3 +479,4 @@ class WorkerSide:
     def close(self) -> None:
         self._receiving.shutdown(wait=True)
         self._finishing.shutdown(wait=True)
+        self._calls.close()

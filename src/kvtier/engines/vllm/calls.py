@@ -1,0 +1,118 @@
+"""Daemon calls made for vLLM's engine loop, which must never wait on the daemon for long.
+
+vLLM calls the connector inside its engine loop: the scheduler's lookups between steps, the
+worker's loads and saves inside a step. A daemon that is stalled (SIGSTOPped, a lock held for
+seconds, a machine swapping) must cost that loop at most a small, bounded wait, then a miss --
+never a multi-second stall of every running request's decoding.
+
+:class:`Calls` runs a :class:`~kvtier.server.client.StoreClient`'s calls on a thread of its own,
+in the order they were made, with the client's own (long) timeout; the loop waits for each at
+most a bounded time. A call the loop gave up on still completes on that thread, and what it
+holds is then ended there (a lease that came back late is released or abandoned: ``late``), so
+no lease is left behind and none is sent again behind the caller's back. While a call has been
+running for longer than the loop would wait, the daemon is taken as stalled: further waits are
+skipped at once (a miss now, not one bounded wait per request of the step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Calls:
+    """One thread making daemon calls in order; bounded waits for their results."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._since: float | None = None
+        """When the call now at the head of the queue started (None: none is running)."""
+        self.gave_up = 0
+        """Calls whose result the loop stopped waiting for."""
+        self.skipped = 0
+        """Waits skipped at once because the daemon was stalled."""
+
+    def stalled(self, after_s: float) -> bool:
+        """Whether a call has been running for longer than ``after_s`` (the daemon is slow or
+        stopped: waiting for another one would only add a wait to the loop)."""
+        with self._lock:
+            return self._since is not None and time.monotonic() - self._since > after_s
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` after the calls submitted before it."""
+        with self._lock:
+            self._pending += 1
+
+        def run() -> T:
+            with self._lock:
+                self._since = time.monotonic()
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._since = None
+
+        return self._pool.submit(run)
+
+    def wait(self, future: Future[T], wait_s: float, default: T,
+             late: Callable[[T], None] | None = None) -> T:
+        """``future``'s result if it is done within ``wait_s``, else ``default``; a result that
+        comes after that is passed to ``late`` (on the calls' thread), which ends whatever it
+        holds. A call that raised is ``default``."""
+        try:
+            return future.result(timeout=wait_s)
+        except FutureTimeout:
+            with self._lock:
+                self.gave_up += 1
+            if late is not None:
+                future.add_done_callback(lambda f: self._late(f, late))
+            return default
+        except Exception:
+            log.exception("kvtier: a daemon call failed")
+            return default
+
+    @staticmethod
+    def _late(future: Future[T], late: Callable[[T], None]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        try:
+            late(future.result())
+        except Exception:
+            log.exception("kvtier: ending a late daemon reply failed")
+
+    def call(self, fn: Callable[[], T], wait_s: float, default: T,
+             late: Callable[[T], None] | None = None) -> T:
+        """``fn()``'s result within ``wait_s``, or ``default`` (see :meth:`wait`). While the
+        daemon is stalled, ``default`` at once, and ``fn`` is not called at all."""
+        if self.stalled(wait_s):
+            with self._lock:
+                self.skipped += 1
+            return default
+        return self.wait(self.submit(fn), wait_s, default, late)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every call submitted so far is done; False on timeout."""
+        try:
+            self._pool.submit(lambda: None).result(timeout)
+            return True
+        except FutureTimeout:
+            return False
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
