@@ -163,6 +163,42 @@ def bench_truncation(model: str, context_window: int, system_tokens: int, user_t
         click.echo(format_table(result))
 
 
+@bench.command("stall")
+@click.option("--model", default="tiny", show_default=True, help="tiny, small, smollm2, or a model directory.")
+@click.option("--requests", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Requests decoding through the stop.")
+@click.option("--stop-s", type=click.FloatRange(min=0, min_open=True), default=8.0, show_default=True,
+              help="How long the daemon is SIGSTOPped.")
+@click.option("--arrivals", type=click.IntRange(min=0), default=4, show_default=True,
+              help="New requests (each a lookup) arriving during the stop.")
+@click.option("--wait-ms", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="The connector's bounded wait (kv_connector_extra_config wait_ms).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def bench_stall(model: str, requests: int, stop_s: float, arrivals: int, wait_ms: float, as_json: bool) -> None:
+    """A daemon SIGSTOPped while vLLM decodes: the engine's step times before, during and after
+    the stop (vLLM's in-process engine with the connector; needs vllm)."""
+    from kvtier.bench.stall import StallConfig, run_stall
+
+    try:
+        config = StallConfig(model=model, requests=requests, stop_s=stop_s, arrivals=arrivals, wait_ms=wait_ms)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    result = run_stall(config)
+    if as_json:
+        emit_json(result.as_dict())
+        return
+    table = Table(title=f"vLLM steps with the daemon stopped for {result.stop_s:.1f} s ({requests} decoding)")
+    for col in ("", "before", "during the stop", "after"):
+        table.add_column(col, justify="right")
+    table.add_row("median step, ms", f"{result.median_step_before_s * 1e3:.1f}",
+                  f"{result.median_step_during_stop_s * 1e3:.1f}", f"{result.median_step_after_s * 1e3:.1f}")
+    table.add_row("longest step, ms", "", f"{result.longest_step_during_stop_s * 1e3:.1f}", "")
+    Console().print(table)
+    click.echo(f"longest step of the run: {result.longest_step_s * 1e3:.1f} ms; {result.tokens_during_stop} "
+               f"tokens decoded during the stop in {result.steps_during_stop} steps; lookups given up: "
+               f"{result.lookups_missed}; a request after the stop loaded {result.hit_tokens_after} tokens")
+
+
 @bench.command("daemon")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Length of the loaded phase.")
