@@ -376,3 +376,39 @@ def test_a_lookup_made_while_the_lock_is_held_counts_before_the_next_eviction(la
         assert store.stats.lookups == before + 1
         assert store.read_entry(kc[0]) is not None  # promotes C into DRAM: evicts the LRU chunk
         assert cache.index.holds(ka[0], 0) and not cache.index.holds(kb[0], 0)
+
+
+def test_acquiring_a_key_twice_in_one_call_is_refused_and_pins_nothing(layout):
+    """``acquire([k, k])`` used to pin k three times and hand out two entries, so the release
+    of what it handed out left a pin behind for good: now it is refused before anything."""
+    tokens = list(range(2 * C))
+    with store_of(layout, host_chunks=4) as store:
+        store.save(tokens, make_kv(layout, len(tokens)))
+        k0, k1 = store.keys_for(tokens)
+        cache = store.cache
+        try:
+            cache.acquire([k0, k1, k0])
+        except ValueError as exc:
+            assert "listed twice" in str(exc) and k0.hex() in str(exc)
+        else:
+            raise AssertionError("a duplicate key was acquired")
+        assert not store.host.is_pinned(k0) and not store.host.is_pinned(k1)
+        held = cache.acquire([k0, k1])
+        cache.release([h.key for h in held])
+        assert store.host.pin_total() == 0
+
+
+def test_the_snapshot_counts_every_pin_beside_the_entries_pinned(layout):
+    """``pinned``: entries pinned; ``pins``: every pin (a pin nests, and a leaked one shows
+    as pins outgrowing what callers hold)."""
+    tokens = list(range(2 * C))
+    with store_of(layout, host_chunks=4) as store:
+        store.save(tokens, make_kv(layout, len(tokens)))
+        k0, k1 = store.keys_for(tokens)
+        held = [store.cache.acquire([k0, k1]), store.cache.acquire([k0])]
+        host = store.snapshot()["tiers"]["host"]
+        assert (host["pinned"], host["pins"]) == (2, 3)
+        for h in held:
+            store.cache.release([x.key for x in h])
+        host = store.snapshot()["tiers"]["host"]
+        assert (host["pinned"], host["pins"]) == (0, 0)

@@ -254,3 +254,43 @@ def test_each_tenant_lives_under_its_own_prefix_and_an_acl_confines_an_instance_
         assert_same(confined.load(hit), make_kv(layout, 2 * C, seed=1), 2 * C)
         assert confined.lookup(tokens).hit_tokens == 0  # the shared tenant: the ACL refuses it, a miss
         assert confined.cache.remote.stats.errors >= 1
+
+
+def test_a_restarted_store_uploads_each_tenants_chunks_under_its_own_prefix(layout, valkey_private, tmp_path):
+    """Write-back with an SSD: acme's chunks reach SSD, the store restarts (nothing of who
+    saved what is left in memory), then the shared tenant's saves push acme's chunks off SSD
+    into the remote tier. Each goes under acme's prefix (its SSD header says whose it is), none
+    under the shared one, and a lookup of acme's promises only what a load delivers."""
+    valkey_private.start()
+    prefix = unique_prefix()
+    admin = valkey_private.client()
+
+    def remote():
+        return valkey_remote(valkey_private.address, prefix, write="back", tenant_prefixes=True)
+
+    acme_tokens = list(range(4 * C))
+    acme_kv = make_kv(layout, 4 * C, seed=7)
+    with store_on(layout, remote(), host_chunks=2, disk_path=tmp_path / "ssd") as first:
+        first.save(acme_tokens, acme_kv, tenant="acme")
+        acme_keys = first.keys_for(acme_tokens, tenant="acme")
+        assert first.flush(10)
+        assert all(first.cache.disk.contains(k) or first.host.contains(k) for k in acme_keys)
+    with store_on(layout, remote(), host_chunks=2, disk_path=tmp_path / "ssd") as again:
+        on_ssd = [k for k in acme_keys if again.cache.disk.contains(k)]
+        assert on_ssd and all(again.cache.disk.tenant_of(k) == "acme" for k in on_ssd)
+        for i in range(12):  # the shared tenant fills SSD: acme's chunks go down to the remote tier
+            tokens = [100_000 + 1_000 * i + t for t in range(2 * C)]
+            again.save(tokens, make_kv(layout, 2 * C, seed=i))
+        assert again.flush(10)
+        assert not any(again.cache.disk.contains(k) for k in on_ssd)
+    names = [k.decode() for k in admin.keys("*")]
+    for k in on_ssd:
+        mine = [n for n in names if k.hex() in n]
+        assert mine and all(n.startswith(f"{{{prefix}.t.acme:") for n in mine), mine
+    with store_on(layout, remote(), host_chunks=8) as third:  # another machine: no SSD of its own
+        hit = third.lookup(acme_tokens, tenant="acme")
+        loaded = third.load(hit)
+        assert hit.hit_tokens >= C * (acme_keys[0] in on_ssd) and hit.tiers == ["valkey"] * len(hit.keys)
+        assert loaded.tokens == hit.hit_tokens  # promised is delivered
+        assert_same(loaded, acme_kv, hit.hit_tokens)
+        assert third.lookup(acme_tokens).hit_tokens == 0  # the shared tenant's keys differ anyway

@@ -1,12 +1,13 @@
 """The store's background uploader into the remote tier, on a real Valkey server: batches,
-chunks already there, a full tier, a server gone."""
+chunks already there, a full tier (and a tenant's full prefix), a server gone."""
 
 import threading
 
 import torch
 
+from kvtier.remote_level import make_remote
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
-from kvtier.uploader import Uploader
+from kvtier.uploader import EVICT_BATCH, Uploader
 from tests.remote_servers import unique_prefix
 
 from .tiers.tier_contract import ENTRY, SEGMENT, data, key
@@ -76,6 +77,80 @@ def test_a_full_remote_tier_gives_up_its_oldest_chunks(valkey_standalone):
         assert all(outcomes[i] for i in range(10)) and uploader.stats.evicted > 0
         assert key(9) in tier.keys() and len(tier.keys()) <= 4 and tier.used <= tier.capacity
         assert torch.equal(tier.get(key(9)), data(9))
+    finally:
+        uploader.close()
+        tier.close()
+
+
+def observe_listing(tier) -> tuple[list[int], list[int]]:
+    """Calls of ``keys`` (the whole index) and the ``n`` of each ``oldest`` call (the real
+    methods run)."""
+    listed: list[int] = []
+    asked: list[int] = []
+    keys, oldest = tier.keys, tier.oldest
+
+    def observed_keys():
+        listed.append(1)
+        return keys()
+
+    def observed_oldest(n):
+        asked.append(n)
+        return oldest(n)
+
+    tier.keys, tier.oldest = observed_keys, observed_oldest
+    return listed, asked
+
+
+def test_making_room_in_the_full_tier_never_reads_its_whole_index(valkey_standalone):
+    """The index may hold millions of chunks of every instance: the uploader asks for the few
+    oldest it evicts (one bounded query), never for the whole index."""
+    tier = tier_on(valkey_standalone, entries=4)
+    for i in range(100, 104):  # another instance filled the tier
+        assert tier.put(key(i), data(i), SEGMENT)
+    listed, asked = observe_listing(tier)
+    uploader = Uploader(tier, SEGMENT, max_queued=16)
+    outcomes = {}
+    try:
+        for i in range(6):
+            assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok))
+        assert uploader.flush(timeout=10)
+        assert outcomes == {i: True for i in range(6)} and uploader.stats.evicted >= 4
+        assert listed == [], "the uploader read the whole remote index to evict a few chunks"
+        assert asked and set(asked) == {EVICT_BATCH}
+        assert not any(tier.contains(key(i)) for i in range(100, 104))  # the oldest went first
+    finally:
+        uploader.close()
+        tier.close()
+
+
+def test_a_tenants_full_prefix_gives_up_its_own_oldest_chunks(valkey_standalone):
+    """With ``tenant_prefixes`` each tenant has its own index and budget: a chunk of acme's
+    that does not fit evicts acme's oldest (asked of acme's index, boundedly), never the
+    shared prefix's chunks, and no index is read whole."""
+    config = ValkeyTierConfig((valkey_standalone.address,), 4 * (ENTRY + 512), prefix=unique_prefix(),
+                              tenant_prefixes=True, timeout_s=0.5)
+    tier = make_remote(config, lambda k: "")
+    shared, acme = tier.for_tenant(""), tier.for_tenant("acme")
+    for i in range(100, 103):
+        assert shared.put(key(i), data(i), SEGMENT)
+    watched = [observe_listing(t) for t in (tier, shared, acme)]
+    uploader = Uploader(tier, SEGMENT, max_queued=16)
+    outcomes = {}
+    try:
+        for i in range(8):
+            assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok), tenant="acme")
+        assert uploader.flush(timeout=10)
+        assert outcomes == {i: True for i in range(8)} and uploader.stats.evicted > 0
+        assert [len(listed) for listed, _ in watched] == [0, 0, 0]
+        assert [bool(asked) for _, asked in watched] == [False, False, True]  # acme's own index
+        assert shared.keys() == [key(i) for i in range(100, 103)]
+        assert key(7) in acme.keys() and len(acme.keys()) <= 4
+        assert tier.oldest(2) == [key(100), key(101)]  # the tenants' tiers in turn, shared first
+        assert tier.oldest(5) == [key(100), key(101), key(102)] + acme.oldest(2)
+        assert tier.pin(key(100)) and tier.pin(key(100))  # pins live in the tenant's own tier
+        assert (tier.pinned_count(), tier.pin_total()) == (1, 2)
+        tier.unpin(key(100))
+        tier.unpin(key(100))
     finally:
         uploader.close()
         tier.close()

@@ -67,6 +67,12 @@ MAX_DEFERRED_LOOKUPS = 4096
 """Lookups whose touches wait for the lock at most; past that a lookup records them itself."""
 MAX_QUEUED_PREFETCHES = 256
 """Prefetches waiting for the background threads at most; more hints are dropped (counted)."""
+WRITE_THROUGH_TRIES = 3
+"""Copies of one entry to SSD a write-through tries (another write may take the room made)."""
+WRITE_THROUGH_RETRY_S = 0.1
+"""How long a write-through waits for a change (a move ending) before it tries again."""
+WRITE_THROUGH_WAIT_S = 30.0
+"""How long a write-through waits for an eviction of its entry already copying it to SSD."""
 
 
 class _Section:
@@ -114,7 +120,7 @@ class ChunkCache:
                 self.disk = DiskTier(config.disk)
                 self.tiers.append(self.disk)
             if config.remote is not None:
-                self.remote = make_remote(config.remote.tier, lambda key: self._remote_level.tenant_of(key))
+                self.remote = make_remote(config.remote.tier, lambda key: self._tenant_of(key))
                 self.tiers.append(self.remote)
         except BaseException:
             for tier in self.tiers:
@@ -139,8 +145,9 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._section = _Section(self._lock, self._record_lookups)
         self.mover = TierMover(self.tiers, host, config.chunk, self.uploader,
-                               lambda key, ok: self._remote_level.uploaded(key, ok),  # type: ignore[union-attr]
-                               self._lock, position_of=lambda key: self.index.position(key))
+                               lambda key, ok, tenant: self._remote_level.uploaded(key, ok, tenant),  # type: ignore[union-attr]
+                               self._lock, position_of=lambda key: self.index.position(key),
+                               tenant_of=lambda key: self._tenant_of(key))
         self._changed = self.mover.changed
         self.mover.on_relock = self._record_lookups
         self.placement = Placement(policies, self.mover)
@@ -167,14 +174,27 @@ class ChunkCache:
                 while tier.used > tier.capacity and self.placement.evict(level):
                     pass
 
-    def tag(self, keys: Sequence[ChunkKey], tenant: str) -> None:
-        """``keys`` belong to ``tenant`` (for a remote tier that keeps tenants apart)."""
-        if self._remote_level is not None:
-            self._remote_level.tag(keys, tenant)
+    def _tenant_of(self, key: ChunkKey) -> str:
+        """Whose chunk ``key`` is, for a remote tier that keeps tenants apart: the tenant of the
+        request this thread serves (its keys are bound to it), else the one recorded with the
+        chunk -- in DRAM, on SSD, or where the remote tier was found to hold it."""
+        tenant = self.mover.current_tenant()
+        if tenant is None:
+            tenant = self.host.tenant_of(key)
+        if tenant is None and self.disk is not None:
+            tenant = self.disk.tenant_of(key)
+        if tenant is None and self._remote_level is not None:
+            tenant = self._remote_level.recorded_tenant(key)
+        return tenant or ""
 
     # -- the lock -----------------------------------------------------------------------------
-    def _shaped(self, entry: Shape | None) -> contextlib.AbstractContextManager[None]:
-        return self.mover.shaped(entry) if entry is not None else contextlib.nullcontext()
+    def _shaped(self, entry: Shape | None, tenant: str | None = None,
+                last: tuple[ChunkKey, Shape] | None = None) -> contextlib.AbstractContextManager[None]:
+        """What this thread's moves need to know of the request's chunks: their shape (for ones
+        coming up from the remote tier; ``last``: a partial chunk's own) and their tenant."""
+        if entry is None and tenant is None and last is None:
+            return contextlib.nullcontext()
+        return self.mover.shaped(entry, tenant, last)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background work (write-through copies, queued prefetches, uploads to the
@@ -196,7 +216,7 @@ class ChunkCache:
 
     # -- requests (the policies' notion of a use) ---------------------------------------------
     def queued(self, request_id: str, keys: Sequence[ChunkKey], *, entry: Shape | None = None,
-               wait: bool = True) -> int:
+               wait: bool = True, tenant: str | None = None) -> int:
         """A request arrived and waits to be served; it will need ``keys`` (a prefix). It gets
         the next number in arrival order, the policies with a look-ahead hear of it, and its
         held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background).
@@ -205,7 +225,7 @@ class ChunkCache:
             seq = self._requests.queued(request_id)
             if self.placement.lookahead:
                 self.placement.hint(seq, list(keys), time.monotonic())
-        return self.prefetch(keys, use=seq, entry=entry, wait=wait)
+        return self.prefetch(keys, use=seq, entry=entry, wait=wait, tenant=tenant)
 
     def started(self, request_id: str) -> int:
         """The request is being served (before its lookup): the policies ``begin`` it. A request
@@ -242,7 +262,7 @@ class ChunkCache:
 
     # -- lookup -------------------------------------------------------------------------------
     def lookup_keys(self, keys: Sequence[ChunkKey], *, use: int | None = None,
-                    tokens: tuple[int, int] | None = None) -> PrefixHit:
+                    tokens: tuple[int, int] | None = None, tenant: str | None = None) -> PrefixHit:
         """The longest run of held chunks from the first (remote tier asked for those past the
         locally held prefix, outside the lock); touches them.
 
@@ -250,10 +270,12 @@ class ChunkCache:
         a lookup is advice -- every read that follows checks again what it finds), and the
         touch and the counts are recorded by whoever holds the lock next (at once if nobody
         does), so a lookup never queues behind another client's bookkeeping. ``tokens``: the
-        lookup's (tokens looked up, tokens per chunk), for the token counts."""
+        lookup's (tokens looked up, tokens per chunk), for the token counts. ``tenant``: whose
+        keys these are (a remote tier that keeps tenants apart is asked under it)."""
         keys = list(keys)
         if self._remote_level is not None:
-            self._remote_level.probe(keys)
+            with self.mover.shaped(None, tenant):
+                self._remote_level.probe(keys, tenant or "")
         hit = self.index.longest_prefix(keys)
         self._lookups.append((hit, len(keys), use, tokens))
         if len(self._lookups) > MAX_DEFERRED_LOOKUPS:
@@ -266,7 +288,7 @@ class ChunkCache:
                 self._lock.release()
         return hit
 
-    def held(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+    def held(self, keys: Sequence[ChunkKey], *, tenant: str | None = None) -> list[int | None]:
         """The fastest level holding each of ``keys``, each on its own (not a prefix; None: not
         held). Lock-free as :meth:`lookup_keys` is, and advice as it is; touches and counts
         nothing: it probes candidates (the partial chunks an engine may have saved) and the
@@ -314,7 +336,8 @@ class ChunkCache:
 
     # -- reads --------------------------------------------------------------------------------
     def acquire(self, keys: Sequence[ChunkKey], *, entry: Shape | None = None, start: int = 0,
-                use: int | None = None, touch: bool = True, deadline: float | None = None) -> list[Held]:
+                use: int | None = None, touch: bool = True, deadline: float | None = None,
+                last_entry: Shape | None = None, tenant: str | None = None) -> list[Held]:
         """Pin the longest held prefix of ``keys`` in DRAM, promoting chunks from SSD or the
         remote tier, and return where each is. The caller reads the slots, then calls
         :meth:`release` with their keys. ``entry``: the shape of these chunks (for a store of
@@ -323,10 +346,21 @@ class ChunkCache:
         ``touch``: count this as a use of the chunks (``start``: the position of ``keys[0]``
         in its sequence; ``use``: the request). ``deadline`` (``time.monotonic()``): promote no
         more after it; what is pinned by then is returned (a daemon answers within its client's
-        timeout; the client asks again for the rest)."""
+        timeout; the client asks again for the rest). ``last_entry``: the shape of the last of
+        ``keys`` when it differs (a partial chunk, stored at its own size). ``tenant``: whose
+        keys these are (chunks come up from that tenant's part of the remote tier; None: the
+        tenant each was found under). Raises ValueError, pinning nothing, if a key is listed
+        twice: each returned entry holds one pin, which :meth:`release` of its key ends."""
         keys = list(keys)
+        seen: set[ChunkKey] = set()
+        for k in keys:
+            if k in seen:
+                raise ValueError(f"acquire: chunk {k.hex()} is listed twice; each key may be acquired "
+                                 "once a call (one pin, ended by one release)")
+            seen.add(k)
         out: list[Held] = []
-        with self._section, self._shaped(entry):
+        last = (keys[-1], last_entry) if keys and last_entry is not None else None
+        with self._section, self._shaped(entry, tenant, last):
             if self.remote_level is not None:  # a run held in the remote tier: one round trip
                 lost = self.placement.stats.lost
                 self.placement.promote_prefix(keys, level=self.remote_level)
@@ -430,14 +464,15 @@ class ChunkCache:
             tier.delete(key)
 
     def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None,
-                 entry: Shape | None = None, wait: bool = True) -> int:
+                 entry: Shape | None = None, wait: bool = True, tenant: str | None = None) -> int:
         """Promote the held prefix of ``keys`` into DRAM ahead of use (a scheduler hint).
         Returns how many chunks were promoted (with ``wait=False`` the work is queued to a
-        background thread and 0 is returned); stops at the first chunk held nowhere."""
+        background thread and 0 is returned); stops at the first chunk held nowhere.
+        ``tenant``: whose keys these are (None: the tenant each was found under)."""
         keys = list(keys)
 
         def work() -> int:
-            with self._section, self._shaped(entry):
+            with self._section, self._shaped(entry, tenant):
                 return self.placement.prefetch(keys, start=start, use=use)
 
         if wait:
@@ -476,7 +511,8 @@ class ChunkCache:
     # -- writes -------------------------------------------------------------------------------
     def reserve(self, key: ChunkKey, entry: Shape, *, position: int | None = None,
                 slot_bytes: int | None = None, remaining: int = 1,
-                deadline: float | None = None, fmt: KVFormat | None = None) -> Reservation | Slot:
+                deadline: float | None = None, fmt: KVFormat | None = None,
+                tenant: str = "") -> Reservation | Slot:
         """A DRAM slot for new entry ``key`` (evicting as needed; waits up to ``room_wait_s`` for
         evictions other threads run), or why there is none to write: :attr:`Slot.HELD`,
         :attr:`Slot.BUSY`. Fill ``res.buffer``, then :meth:`commit`. Raises TierFullError if
@@ -484,7 +520,8 @@ class ChunkCache:
         sequence (``remaining``: chunks of the sequence from this one on, for the counts).
         ``slot_bytes``: the slot size to take when the entry is smaller (a part of a typed
         object takes a chunk's slot). ``fmt``: what the bytes are when they are KV (a lower
-        tier with a codec stores them compressed; None: stored raw everywhere)."""
+        tier with a codec stores them compressed; None: stored raw everywhere). ``tenant``:
+        whose chunk it is, recorded with it in every tier it goes to."""
         shape = Shape(slot_bytes, entry.segment_bytes) if slot_bytes else entry
         wait_until = time.monotonic() + self.config.room_wait_s
         deadline = wait_until if deadline is None else min(deadline, wait_until)
@@ -510,7 +547,8 @@ class ChunkCache:
             state = self._slot_state(key)  # making room let others run
             if state is not None:
                 return state
-            return self.host.reserve(key, entry.nbytes, entry.segment_bytes, slot_bytes=slot_bytes, fmt=fmt)
+            return self.host.reserve(key, entry.nbytes, entry.segment_bytes, slot_bytes=slot_bytes, fmt=fmt,
+                                     tenant=tenant)
 
     def _slot_state(self, key: ChunkKey) -> Slot | None:
         if key in self.index:
@@ -521,8 +559,10 @@ class ChunkCache:
 
     def commit(self, res: Reservation, ok: bool = True, *, position: int | None = None) -> Future | bool:
         """Publish (or abandon) a reserved entry. Returns False if nothing was stored, else True
-        or, with ``write_through`` (or a write-through remote tier), the Future of its copy
-        down, which the caller may wait for."""
+        or, with ``write_through`` (and an SSD tier), the Future of its copy to SSD, which the
+        caller may wait for: its result is True once SSD holds the entry, False if it never got
+        there (see :meth:`_write_through`; :func:`wait_all` counts those). Uploads to a
+        write-through remote tier are not waited for here (the uploader reports them)."""
         with self._section:
             try:
                 stored = self.host.commit(res, ok=ok)
@@ -539,10 +579,30 @@ class ChunkCache:
                 return self._submit(lambda: self._write_through(res.key))
             return True
 
-    def _write_through(self, key: ChunkKey) -> None:
+    def _write_through(self, key: ChunkKey) -> bool:
+        """Copy committed entry ``key`` from DRAM to SSD; whether SSD holds it now (it may leave
+        SSD later, evicted like any SSD chunk). An eviction of it from DRAM already running is
+        waited for (its demotion is the copy). False when it never got there: DRAM dropped it
+        first (evicted while SSD could not take it), SSD's policy refused it, or every try failed
+        (room taken by another write meanwhile, every SSD chunk pinned, an I/O error); such a
+        try is made again, ``WRITE_THROUGH_TRIES`` in all, after the next change or a short
+        wait."""
         with self._section:
-            if self.index.holds(key, 0):
-                self.placement.demote(key, 0)
+            placement, index = self.placement, self.index
+            for attempt in range(WRITE_THROUGH_TRIES):
+                deadline = time.monotonic() + WRITE_THROUGH_WAIT_S
+                while placement.leaving(key, 0) and time.monotonic() < deadline:
+                    self._changed.wait(WRITE_THROUGH_RETRY_S)  # type: ignore[union-attr]
+                    self._record_lookups()
+                if index.holds(key, 1) or not index.holds(key, 0) or placement.leaving(key, 0):
+                    break
+                refused = placement.stats.refused
+                if placement.demote(key, 0) or placement.stats.refused != refused:
+                    break  # on SSD, or its policy did not admit it (asking again would not help)
+                if attempt + 1 < WRITE_THROUGH_TRIES:
+                    self._changed.wait(WRITE_THROUGH_RETRY_S)  # type: ignore[union-attr]
+                    self._record_lookups()
+            return index.holds(key, 1)
 
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
               use: int | None = None) -> None:
@@ -592,7 +652,8 @@ class ChunkCache:
                         "hits": s.hits[t.name],
                         "misses": s.misses[t.name],
                         "evictions": ps.evictions[level],
-                        "pinned": t.pinned_count(),
+                        "pinned": t.pinned_count(),  # distinct entries
+                        "pins": t.pin_total(),  # every pin held: more than pinned when nested
                         "reserved": t.reserved_count(),
                         "io": t.stats.as_dict(),
                     }
@@ -636,11 +697,14 @@ class ChunkCache:
         self.close()
 
 
-def wait_all(results: Sequence[Future | bool]) -> None:
-    """Wait for the futures among :meth:`ChunkCache.commit`'s results."""
+def wait_all(results: Sequence[Future | bool]) -> int:
+    """Wait for the futures among :meth:`ChunkCache.commit`'s results (write-through copies);
+    how many of them did not reach SSD (result False, or the copy failed)."""
+    missed = 0
     for r in results:
         if isinstance(r, Future):
-            r.result()
+            missed += r.result() is not True
+    return missed
 
 
 __all__ = ["CacheConfig", "ChunkCache", "Held", "Slot", "wait_all"]

@@ -20,6 +20,11 @@ Entry states while the lock is released, and what protects them:
 
 Moves into the remote tier go through the :class:`~kvtier.uploader.Uploader` (a queue and its
 thread): the handler for (DRAM or SSD, remote) only copies the bytes out for it.
+
+Tenants: every entry records whose chunk it is (DRAM slot, SSD header, remote object), and a
+move carries it along -- a demotion writes the DRAM entry's tenant into the SSD file, an upload
+goes to the tenant's prefix of the remote tier, a promotion gives the DRAM slot the tenant of
+the copy it came from. No move asks a map held in memory.
 """
 
 from __future__ import annotations
@@ -100,15 +105,19 @@ class TierMover:
 
     def __init__(self, tiers: Sequence[Tier], host: HostTier, chunk: Shape | None,
                  uploader: Uploader | None = None,
-                 uploaded: Callable[[ChunkKey, bool], None] | None = None,
+                 uploaded: Callable[[ChunkKey, bool, str], None] | None = None,
                  lock: threading.Lock | None = None,
-                 position_of: Callable[[ChunkKey], int | None] | None = None) -> None:
+                 position_of: Callable[[ChunkKey], int | None] | None = None,
+                 tenant_of: Callable[[ChunkKey], str] | None = None) -> None:
         self.tiers = list(tiers)
         self.host = host
         self.chunk = chunk
         self.uploader = uploader
         self.remote_level = len(tiers) - 1 if uploader is not None else None
         self._uploaded = uploaded
+        self._tenant_of = tenant_of or (lambda key: self.current_tenant() or "")
+        """Whose chunk ``key`` is, for one coming up from the remote tier (the request's tenant
+        being served on this thread, else the tenant it was found under)."""
         self._lock = lock
         self.changed = threading.Condition(lock) if lock is not None else None
         """Notified whenever a reservation ends (committed or abandoned) under the lock."""
@@ -158,18 +167,29 @@ class TierMover:
 
     # -- entry shapes -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def shaped(self, entry: Shape) -> Iterator[None]:
+    def shaped(self, entry: Shape | None, tenant: str | None = None,
+               last: tuple[ChunkKey, Shape] | None = None) -> Iterator[None]:
         """Chunks this thread moves in the body whose shape no tier knows yet (coming up from
-        the remote tier) are ``entry`` (a daemon's client says what its chunks are)."""
-        old = getattr(self._local, "shape", None)
-        self._local.shape = entry
+        the remote tier) are ``entry`` (a daemon's client says what its chunks are; ``last``:
+        one key of another shape, a partial chunk), and are ``tenant``'s (the request's: its
+        keys are bound to it)."""
+        old = (getattr(self._local, "shape", None), getattr(self._local, "tenant", None),
+               getattr(self._local, "last", None))
+        self._local.shape, self._local.tenant, self._local.last = entry, tenant, last
         try:
             yield
         finally:
-            self._local.shape = old
+            self._local.shape, self._local.tenant, self._local.last = old
 
-    def shape(self) -> Shape | None:
+    def shape(self, key: ChunkKey | None = None) -> Shape | None:
+        last = getattr(self._local, "last", None)
+        if key is not None and last is not None and last[0] == key:
+            return last[1]
         return getattr(self._local, "shape", None) or self.chunk
+
+    def current_tenant(self) -> str | None:
+        """The tenant of the request this thread is serving (None: none, background work)."""
+        return getattr(self._local, "tenant", None)
 
     def entry_of(self, level: int, key: ChunkKey) -> Shape | None:
         if level == 0:
@@ -179,7 +199,7 @@ class TierMover:
         if isinstance(tier, DiskTier):
             n, seg = tier.entry_bytes(key), tier.segment_bytes_of(key)
             return Shape(n, seg) if n is not None and seg is not None else None
-        return self.shape()  # the remote tier: asking would be a round trip under the lock
+        return self.shape(key)  # the remote tier: asking would be a round trip under the lock
 
     def _entry(self, entry: Shape | None) -> Shape | None:
         return entry if entry is not None else self.shape()
@@ -277,13 +297,14 @@ class TierMover:
         view = self.host.view(key)  # pinned by the placement for the move
         seg = self.host.segment_of(key)
         fmt = self.host.format_of(key)
+        tenant = self.host.tenant_of(key) or ""
         position = self._position_of(key)
         try:
             with self.unlocked(frees_dram=True):
                 if isinstance(target, DiskTier):
                     target.wait_deleted(key)  # an old copy of the key still being unlinked
                     stored = self._handler(move.src, move.dst).run(target.put, key, view, seg,
-                                                                   position=position, fmt=fmt)
+                                                                   position=position, fmt=fmt, tenant=tenant)
                 else:
                     stored = self._handler(move.src, move.dst).run(target.put, key, view, seg, fmt=fmt)
         except (TierFullError, ValueError) as exc:  # room taken meanwhile; being written by another
@@ -301,8 +322,10 @@ class TierMover:
             if n is None:
                 return Copied.SOURCE_LOST
             shape = Shape(n, n)
+        tenant = source.tenant_of(key) if isinstance(source, DiskTier) else self._tenant_of(key)
         try:
-            return self.host.reserve(key, shape.nbytes, shape.segment_bytes, fmt=source.format_of(key))
+            return self.host.reserve(key, shape.nbytes, shape.segment_bytes, fmt=source.format_of(key),
+                                     tenant=tenant or "")
         except EntryExistsError:
             return self._await_writer(key)
         except (TierFullError, ValueError) as exc:  # the room made was taken meanwhile: a miss now
@@ -325,6 +348,11 @@ class TierMover:
         try:
             with self.unlocked():
                 ok = self._handler(move.src, move.dst).run(source.get_into, key, res.buffer, late.append)
+        except ValueError as exc:  # held there at another size than asked for: a miss, kept there
+            self._release_all(late, self.host, [res])
+            self.notify()
+            log.info("chunk %s in %s is not of the size asked for: %s", key.hex(), source.name, exc)
+            return Copied.FAILED
         except BaseException:
             self._release_all(late, self.host, [res])
             self.notify()
@@ -395,6 +423,8 @@ class TierMover:
         shape = self.entry_of(move.src, key)
         seg = shape.segment_bytes if shape is not None else None
         fmt = self.host.format_of(key) if move.src == 0 else source.format_of(key)
+        tenant = (self.host.tenant_of(key) if move.src == 0 else
+                  source.tenant_of(key) if isinstance(source, DiskTier) else None) or ""
         if move.src == 0:
             view = self.host.view(key)
             with self.unlocked(frees_dram=True):
@@ -404,11 +434,12 @@ class TierMover:
                 data = self._handler(move.src, move.dst).run(source.get, key)
         if data is None:
             return Copied.SOURCE_LOST
-        return Copied.QUEUED if self.upload(key, data, seg=seg, fmt=fmt) else Copied.FAILED
+        return Copied.QUEUED if self.upload(key, data, seg=seg, fmt=fmt, tenant=tenant) else Copied.FAILED
 
     def upload(self, key: ChunkKey, data: torch.Tensor, after: Callable[[], None] | None = None,
-               seg: int | None = None, fmt: KVFormat | None = None) -> bool:
-        """Queue ``data`` for the remote tier; ``after`` runs once the upload is over."""
+               seg: int | None = None, fmt: KVFormat | None = None, tenant: str = "") -> bool:
+        """Queue ``data``, ``tenant``'s chunk, for the remote tier (that tenant's prefix where
+        tenants are kept apart); ``after`` runs once the upload is over."""
         assert self.uploader is not None
         notify = self._uploaded
 
@@ -416,9 +447,9 @@ class TierMover:
             if after is not None:
                 after()
             if notify is not None:
-                notify(key, ok)
+                notify(key, ok, tenant)
 
-        return self.uploader.submit(key, data, done, seg, fmt)
+        return self.uploader.submit(key, data, done, seg, fmt, tenant=tenant)
 
     # -- reads given up on --------------------------------------------------------------------
     def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:

@@ -1,12 +1,16 @@
-"""The shared remote tier as the cache sees it: what is known to be there, asked for outside
-the cache's lock, which tenant each key belongs to, and uploads straight from DRAM.
+"""The shared remote tier as the cache sees it: what is known to be there (and under which
+tenant it was found or uploaded), asked for outside the cache's lock, and uploads straight from
+DRAM.
 
 Lookups ask the remote tier (one round trip, :meth:`RemoteLevel.probe`) for the chunks past the
 locally held prefix, except those found there within ``remote_verify_s``; a chunk the server
 did not have is not asked for again for ``remote_miss_s``. What a probe finds is indexed at the
 remote level; what it no longer finds (another instance evicted it from the shared server)
 leaves the index, with every remote-only chunk after it, so the index never promises chunks the
-server forgot. At most :data:`MAX_REMOTE_KEYS` remote chunks are remembered (hints only).
+server forgot. At most :data:`MAX_REMOTE_KEYS` remote chunks are remembered (hints only), each
+with the tenant it was found or uploaded under (so background work without a request -- a
+staging prefetch -- reads it from that tenant's prefix). Which tenant a chunk *written* there
+belongs to is never looked up here: the entry being uploaded carries it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from kvtier.tiers.host import HostTier
 MAX_REMOTE_KEYS = 1 << 20
 """Chunks of the remote tier the index remembers at most (hints; a lookup asks again)."""
 MAX_ABSENT = 1 << 16
-MAX_TENANTS = 1 << 22
 
 
 def make_remote(tier_config: object, tenant_of: Callable[[ChunkKey], str]) -> Tier:
@@ -57,29 +60,25 @@ class RemoteLevel:
         self.verify_s = verify_s
         self.miss_s = miss_s
         self._seen: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._tenants: dict[ChunkKey, str] = {}
+        """The tenant each chunk in ``_seen`` was found or uploaded under (the same keys)."""
         self._absent: OrderedDict[ChunkKey, float] = OrderedDict()
-        self.tenants: OrderedDict[ChunkKey, str] = OrderedDict()
 
-    # -- tenants ------------------------------------------------------------------------------
-    def tenant_of(self, key: ChunkKey) -> str:
-        return self.tenants.get(key, "")  # one dict read: safe from any thread
+    def recorded_tenant(self, key: ChunkKey) -> str | None:
+        """The tenant a chunk the index knows at this level was found or uploaded under (one
+        dict read: safe from any thread); None if it is not known here."""
+        return self._tenants.get(key)
 
-    def tag(self, keys: Sequence[ChunkKey], tenant: str) -> None:
-        """``keys`` belong to ``tenant`` (for a remote tier that keeps tenants apart)."""
-        if not tenant or not hasattr(self.tier, "shared"):
-            return
-        with self._lock:
-            for key in keys:
-                self.tenants[key] = tenant
-                self.tenants.move_to_end(key)
-            while len(self.tenants) > MAX_TENANTS:
-                self.tenants.popitem(last=False)
+    def _seen_now(self, key: ChunkKey, tenant: str, now: float) -> None:
+        self._seen[key] = now
+        self._seen.move_to_end(key)
+        self._tenants[key] = tenant
 
     # -- what is there ------------------------------------------------------------------------
-    def probe(self, keys: Sequence[ChunkKey]) -> None:
+    def probe(self, keys: Sequence[ChunkKey], tenant: str = "") -> None:
         """Ask the remote tier, in one round trip and without the lock, for the chunks of
-        ``keys`` past the locally held prefix not known there recently; index what it holds,
-        unlist what it no longer has."""
+        ``keys`` (all ``tenant``'s: the caller routes the call there) past the locally held
+        prefix not known there recently; index what it holds, unlist what it no longer has."""
         level, now = self.level, time.monotonic()
         with self._lock:
             index, n = self.index, 0
@@ -96,8 +95,7 @@ class RemoteLevel:
             now = time.monotonic()
             for key in rest[:got]:
                 self.placement.added(key, level)
-                seen[key] = now
-                seen.move_to_end(key)
+                self._seen_now(key, tenant, now)
                 self._absent.pop(key, None)
             if got < len(rest):
                 gone = rest[got]
@@ -110,6 +108,7 @@ class RemoteLevel:
                     self._absent.popitem(last=False)
             while len(seen) > MAX_REMOTE_KEYS:  # hints only: the oldest are asked for again
                 old, _ = seen.popitem(last=False)
+                self._tenants.pop(old, None)
                 if self.index.holds(old, level):
                     self.unlist(old)
 
@@ -119,17 +118,19 @@ class RemoteLevel:
         self.index.discard(key, self.level)
         self.placement.policies[self.level].remove(key)
         self._seen.pop(key, None)
+        self._tenants.pop(key, None)
 
     def forgotten(self, key: ChunkKey) -> None:
         """The placement forgot ``key`` here (damage found on read). Under the lock."""
         self._seen.pop(key, None)
+        self._tenants.pop(key, None)
 
-    def uploaded(self, key: ChunkKey, ok: bool) -> None:
-        """The uploader finished a chunk (its thread, no lock held)."""
+    def uploaded(self, key: ChunkKey, ok: bool, tenant: str = "") -> None:
+        """The uploader finished a chunk of ``tenant`` (its thread, no lock held)."""
         if ok:
             with self._lock:
                 self.placement.added(key, self.level)
-                self._seen[key] = time.monotonic()
+                self._seen_now(key, tenant, time.monotonic())
 
     def upload_from_dram(self, key: ChunkKey, host: HostTier, mover: TierMover) -> None:
         """Queue a saved chunk for the remote tier straight from its DRAM slot, pinned until the
@@ -145,7 +146,8 @@ class RemoteLevel:
                 mover.in_flight -= 1
                 mover.notify()
 
-        if mover.upload(key, host.view(key), after=unpin, seg=host.segment_of(key), fmt=host.format_of(key)):
+        if mover.upload(key, host.view(key), after=unpin, seg=host.segment_of(key), fmt=host.format_of(key),
+                        tenant=host.tenant_of(key) or ""):
             self.placement.stats.writes_down[self.level] += 1
         else:
             host.unpin(key)

@@ -130,10 +130,10 @@ class KVStore:
         return self._bind(tenant, chain.keys)
 
     def _bind(self, tenant: str | None, keys: list[ChunkKey]) -> list[ChunkKey]:
-        ns = self.namespace(tenant)
-        bound = bind_keys(ns, keys)
-        self.cache.tag(bound, ns.tenant)
-        return bound
+        return bind_keys(self.namespace(tenant), keys)
+
+    def _tenant(self, tenant: str | None) -> str:
+        return self.config.tenant if tenant is None else tenant
 
     # -- requests -----------------------------------------------------------------------------
     def queued(self, request_id: str, keys: Sequence[ChunkKey]) -> int:
@@ -167,14 +167,16 @@ class KVStore:
         ``extras``: per chunk, what besides tokens determines its KV (image content hashes, see
         :func:`kvtier.core.keys.image_extras`); give the same to :meth:`save`."""
         chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
-        return self.lookup_keys(self._bind(tenant, chunks.keys), chunks.num_tokens, request=request)
+        return self.lookup_keys(self._bind(tenant, chunks.keys), chunks.num_tokens, request=request,
+                                tenant=self._tenant(tenant))
 
     def lookup_keys(self, keys: Sequence[ChunkKey], num_tokens: int | None = None, *,
-                    request: str | None = None) -> LookupResult:
-        """:meth:`lookup` for store keys already computed (:meth:`keys_for`)."""
+                    request: str | None = None, tenant: str | None = None) -> LookupResult:
+        """:meth:`lookup` for store keys already computed (:meth:`keys_for` of ``tenant``)."""
         c = self.layout.chunk_tokens
         n = len(keys) * c if num_tokens is None else num_tokens
-        hit = self.cache.lookup_keys(keys, use=self.cache.use_of(request), tokens=(n, c))
+        hit = self.cache.lookup_keys(keys, use=self.cache.use_of(request), tokens=(n, c),
+                                     tenant=self._tenant(tenant))
         return LookupResult(num_tokens=n, hit_tokens=len(hit) * c, keys=hit.keys,
                             tiers=[self.cache.tiers[lvl].name for lvl in hit.levels])
 
@@ -275,7 +277,8 @@ class KVStore:
              extras: Mapping[int, bytes] | None = None, request: str | None = None) -> SaveResult:
         """Store the full chunks of ``tokens`` not held yet. ``kv[layer]`` is ``(K, V)`` covering
         the first ``T <= len(tokens)`` tokens; chunks beyond ``T`` are not saved. Returns once
-        they are stored (and, with ``write_through``, on SSD too)."""
+        they are stored and, with ``write_through``, once each stored chunk is on SSD or known
+        not to have got there (counted in ``unpersisted``; see :class:`SaveResult`)."""
         layers, kv_tokens = check_kv(kv, self.layout)
         chunks = chunk_tokens_of(tokens, self.namespace(""), self.layout.chunk_tokens, extras)
         if kv_tokens > chunks.num_tokens:
@@ -285,7 +288,8 @@ class KVStore:
         pending = []
         for i, key in enumerate(keys):
             try:
-                res = self.cache.reserve(key, self._chunk, position=i, remaining=len(keys) - i, fmt=self._fmt)
+                res = self.cache.reserve(key, self._chunk, position=i, remaining=len(keys) - i, fmt=self._fmt,
+                                         tenant=self._tenant(tenant))
             except TierFullError:
                 dropped += len(keys) - i  # a later chunk without this one could never hit
                 break
@@ -305,8 +309,8 @@ class KVStore:
             pending.append(done)
         self.cache.touch(keys, use=self.cache.use_of(request, finished=True))
         self.cache.count(dedup_chunks=present, busy_chunks=busy, dropped_chunks=dropped)
-        wait_all(pending)
-        return SaveResult(stored=stored, present=present, dropped=dropped, busy=busy)
+        unpersisted = wait_all(pending)
+        return SaveResult(stored=stored, present=present, dropped=dropped, busy=busy, unpersisted=unpersisted)
 
     # -- introspection ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:

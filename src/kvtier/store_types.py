@@ -216,14 +216,28 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class SaveResult:
+    """What a save did with each full chunk it was given: every one is counted once, in
+    ``stored``, ``present``, ``dropped`` or ``busy``; ``unpersisted`` is a part of ``stored``."""
+
     stored: int
-    """New chunks written."""
+    """New chunks this save wrote and committed into DRAM (readable there when committed; with
+    ``write_through``, see ``unpersisted`` for which of them reached SSD)."""
     present: int
     """Chunks already held (by this or any earlier sequence: stored once)."""
     dropped: int
-    """Chunks that found no room (every resident chunk pinned)."""
+    """Chunks not written: no DRAM slot (every resident chunk pinned, or the policy did not
+    admit the chunk), and every chunk after the first such one (a later chunk without it could
+    never hit)."""
     busy: int = 0
     """Chunks another writer was writing at the same moment (skipped: they will be there)."""
+    unpersisted: int = 0
+    """With ``write_through``: of ``stored``, the chunks not on SSD when their copy there ended
+    (SSD's policy refused them, the SSD write failed or found no room, or DRAM dropped them
+    first because SSD could not take them): in DRAM at most, gone after a restart. The save
+    waits for every copy, so each of the other ``stored - unpersisted`` was on SSD before it
+    returned; SSD may evict one later to make room, as any SSD chunk (even for a later chunk
+    of the same save, when SSD holds fewer chunks than a save writes). Always 0 without
+    write-through."""
 
 
 @dataclass(slots=True)

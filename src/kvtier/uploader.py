@@ -57,6 +57,8 @@ class _Upload:
     """The entry's independently checksummed part (a layer of a chunk)."""
     fmt: KVFormat | None = None
     """What the bytes are when they are KV (a remote tier with a codec compresses them)."""
+    tenant: str = ""
+    """Whose chunk it is: a remote tier that keeps tenants apart stores it under theirs."""
 
 
 class Uploader:
@@ -80,7 +82,7 @@ class Uploader:
             return key in self._pending
 
     def submit(self, key: ChunkKey, data: torch.Tensor, done: Callable[[bool], None],
-               segment_bytes: int | None = None, fmt: KVFormat | None = None) -> bool:
+               segment_bytes: int | None = None, fmt: KVFormat | None = None, tenant: str = "") -> bool:
         """Queue an upload; False (and ``done`` is not called) if already queued or full.
         ``segment_bytes``: the entry's checksummed part (default: the uploader's, else whole);
         ``fmt``: what the bytes are, when they are KV."""
@@ -89,7 +91,7 @@ class Uploader:
             if key in self._pending:
                 return False
             try:
-                self._queue.put_nowait(_Upload(key, data, done, seg, fmt))
+                self._queue.put_nowait(_Upload(key, data, done, seg, fmt, tenant))
             except queue.Full:
                 self.stats.overflow += 1
                 return False
@@ -138,23 +140,33 @@ class Uploader:
                 self._pending.discard(item.key)
                 self._idle.notify_all()
 
+    def _tier_for(self, tenant: str) -> Tier:
+        """The tier ``tenant``'s chunks go to (its own prefix where the tier keeps tenants
+        apart: the chunk's recorded tenant decides, never a map held in memory)."""
+        for_tenant = getattr(self.tier, "for_tenant", None)
+        return for_tenant(tenant) if for_tenant is not None else self.tier
+
     def _put_batch(self, batch: list[_Upload]) -> list[bool]:
         """Upload a batch; per chunk whether the remote tier holds it now. A chunk the full
         tier refused goes through :meth:`_put`, which makes room."""
-        tier = self.tier
-        held = tier.contains_many([item.key for item in batch])
-        todo = [i for i, h in enumerate(held) if not h]
-        outcomes = list(held)
-        if not todo:
-            return outcomes
-        groups: dict[int, list[int]] = {}  # one put_many per segment size (a daemon's models)
-        for i in todo:
-            groups.setdefault(batch[i].segment_bytes, []).append(i)
+        outcomes = [False] * len(batch)
+        by_tenant: dict[str, list[int]] = {}
+        for i, item in enumerate(batch):
+            by_tenant.setdefault(item.tenant, []).append(i)
         results = {}
-        for seg, idx in groups.items():
-            got = tier.put_many([batch[i].key for i in idx], [batch[i].data for i in idx], seg,
-                                fmts=[batch[i].fmt for i in idx])
-            results.update(zip(idx, got, strict=True))
+        for tenant, members in by_tenant.items():
+            tier = self._tier_for(tenant)
+            held = tier.contains_many([batch[i].key for i in members])
+            todo = [i for i, h in zip(members, held, strict=True) if not h]
+            for i, h in zip(members, held, strict=True):
+                outcomes[i] = h
+            groups: dict[int, list[int]] = {}  # one put_many per segment size (a daemon's models)
+            for i in todo:
+                groups.setdefault(batch[i].segment_bytes, []).append(i)
+            for seg, idx in groups.items():
+                got = tier.put_many([batch[i].key for i in idx], [batch[i].data for i in idx], seg,
+                                    fmts=[batch[i].fmt for i in idx])
+                results.update(zip(idx, got, strict=True))
         for i, result in results.items():
             if isinstance(result, EntryExistsError):  # being written by another instance right now
                 log.info("remote tier did not take chunk %s: %s", batch[i].key.hex(), result)
@@ -164,8 +176,9 @@ class Uploader:
 
     def _put(self, item: _Upload) -> bool:
         """Upload one chunk the full remote tier refused: it gives up its oldest chunks (first
-        written, first out, whoever wrote them: it is shared) to make room, a few at a time."""
-        tier = self.tier
+        written, first out, whoever wrote them: it is shared) to make room, a few at a time --
+        found with one bounded query (``oldest``), never by reading the whole index."""
+        tier = self._tier_for(item.tenant)
         for _ in range(EVICT_ROUNDS):
             if tier.contains(item.key):
                 return True
@@ -177,7 +190,7 @@ class Uploader:
             except TierUnavailableError:  # evicting would not help (nor work)
                 return False
             except TierFullError:
-                oldest = tier.keys()[:EVICT_BATCH]
+                oldest = tier.oldest(EVICT_BATCH)
                 if not oldest:
                     return False
                 for key in oldest:

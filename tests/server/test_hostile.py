@@ -102,6 +102,24 @@ def test_a_partial_chunk_in_the_remote_tier_is_its_own_size(tmp_path, valkey_sta
     finally:
         b.close()
         daemon.stop()
+    # another machine (its own DRAM and SSD) brings the tail up from the remote tier at its size
+    (tmp_path / "second").mkdir()
+    other = Daemon(tmp_path / "second", host_chunks=4, write_through=True, extra=(
+        "[remote]", 'backend = "valkey"', "[remote.valkey]",
+        f'addresses = ["{valkey_standalone.address}"]', 'capacity_bytes = "64MiB"', f'prefix = "{prefix}"',
+    )).start()
+    c = other.client()
+    try:
+        c.lookup_keys([key])  # as an engine looks up before it loads: found in the remote tier
+        assert c.acquire([key]) is None  # asked for as a full chunk: a miss, not an error
+        assert c.errors == 0
+        got = c.acquire([key], tail_tokens=TAIL)
+        assert got is not None and got.views[0].numel() == LAYOUT.part_bytes(TAIL)
+        assert bool((got.views[0] == 0xBB).all()) and got.tiers == ["valkey"]
+        assert c.release(got) and c.stats()["pinned_chunks"] == 0
+    finally:
+        c.close()
+        other.stop()
 
 
 # -- duplicate keys -------------------------------------------------------------------------------

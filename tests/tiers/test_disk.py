@@ -273,3 +273,38 @@ def test_deleted_files_go_in_the_background_and_the_key_waits_for_it(tmp_path):
         assert tier.flush_deletes()
         assert not os.path.exists(path)
         assert tier.put(key(1), data(1), SEGMENT)  # written again once the old file is gone
+
+
+def test_a_chunks_tenant_is_in_its_header_and_survives_a_reopen(tmp_path):
+    """Whose chunk it is lives in the file (version 4 header), so a restarted store knows where
+    the chunk goes when it leaves SSD; a chunk without a tenant keeps the older format."""
+    with open_tier(tmp_path) as tier:
+        assert tier.put(key(1), data(1), SEGMENT, tenant="acme")
+        assert tier.put(key(2), data(2), SEGMENT)
+        assert tier.put(key(3), data(3), SEGMENT, tenant="ünïcode tenant")
+        assert [tier.tenant_of(key(i)) for i in (1, 2, 3, 4)] == ["acme", "", "ünïcode tenant", None]
+    versions = {}
+    for i in (1, 2, 3):
+        with open(chunk_file(tier, i), "rb") as f:
+            versions[i] = int.from_bytes(f.read(6)[4:6], "little")
+    assert versions == {1: 4, 2: 2, 3: 4}
+    with open_tier(tmp_path) as tier:
+        assert [tier.tenant_of(key(i)) for i in (1, 2, 3)] == ["acme", "", "ünïcode tenant"]
+        for i in (1, 2, 3):
+            assert torch.equal(tier.get(key(i)), data(i))
+
+
+def test_a_damaged_tenant_field_is_a_miss_and_long_tenants_are_refused(tmp_path):
+    with open_tier(tmp_path) as tier:
+        assert tier.put(key(1), data(1), SEGMENT, tenant="acme")
+        path = chunk_file(tier, 1)
+    with open(path, "r+b") as f:  # "acme" -> "acmf": the header checksum catches it
+        raw = f.read(4096)
+        at = raw.index(b"acme")
+        f.seek(at + 3)
+        f.write(b"f")
+    with open_tier(tmp_path) as tier:
+        assert not tier.contains(key(1)) and tier.get(key(1)) is None
+        with pytest.raises(ValueError, match="tenant name is at most 512 bytes"):
+            tier.put(key(2), data(2), SEGMENT, tenant="x" * 513)
+        assert not tier.contains(key(2))

@@ -1,4 +1,5 @@
 import os
+import random
 import subprocess
 import sys
 import uuid
@@ -106,6 +107,90 @@ def test_entries_of_several_sizes_share_the_arena_an_extent_at_a_time():
     for i in range(16, 24):
         tier.put(key(i), data(i, small))
     assert torch.equal(tier.get(key(100)), data(100, big)) and torch.equal(tier.get(key(12)), data(12, small))
+    tier.close()
+
+
+class _Reference:
+    """What the region queries must answer, kept by the test from what it did: each live
+    entry's slot offset, whether it is committed, its pins, and the commit order."""
+
+    def __init__(self, extent: int) -> None:
+        self.extent = extent
+        self.offset: dict[bytes, int] = {}
+        self.reserved: dict[bytes, object] = {}  # key -> its Reservation
+        self.committed: list[bytes] = []  # in commit order
+        self.pins: dict[bytes, int] = {}
+
+    def region(self, k: bytes) -> int:
+        return self.offset[k] // self.extent  # a small slot's extent, or a run's first one
+
+    def keys(self, region: int) -> list[bytes]:
+        return [k for k in self.committed if self.region(k) == region]
+
+    def busy(self, region: int) -> bool:
+        return any(self.region(k) == region for k in self.reserved) or any(
+            self.pins.get(k) and self.region(k) == region for k in self.committed)
+
+
+def test_region_queries_match_a_scan_of_every_entry_under_random_churn_and_look_at_one_region():
+    """Sizes sharing the arena an extent at a time, reserved, committed, abandoned, pinned and
+    deleted at random: ``region_of``, ``region_keys`` and ``region_busy`` always answer what a
+    scan of every entry answers, without looking at the entries of any other region."""
+    rng = random.Random(27)
+    extent = 65536
+    tier = HostTier(HostTierConfig(capacity_bytes=24 * extent, extent_bytes=extent))
+    ref = _Reference(extent)
+    scanned = []  # every entry the tier maps to its region while answering a query
+    region_of_slot = tier._region
+    tier._region = lambda slot: scanned.append(slot) or region_of_slot(slot)
+    sizes = [4096, 8192, 12288, 16384, 65536, 2 * extent, 3 * extent]
+    next_key = 0
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.35:  # a new entry
+            k, next_key = key(next_key), next_key + 1
+            try:
+                res = tier.reserve(k, rng.choice(sizes))
+            except TierFullError:
+                continue
+            ref.offset[k], ref.reserved[k] = res.slot, res
+        elif op < 0.6 and ref.reserved:  # its write ends
+            k = rng.choice(list(ref.reserved))
+            ok = rng.random() < 0.85
+            assert tier.commit(ref.reserved.pop(k), ok=ok) is ok
+            if ok:
+                ref.committed.append(k)
+            else:
+                del ref.offset[k]
+        elif op < 0.75 and ref.committed:  # a pin, or its end
+            k = rng.choice(ref.committed)
+            if ref.pins.get(k) and rng.random() < 0.6:
+                tier.unpin(k)
+                ref.pins[k] -= 1
+            else:
+                assert tier.pin(k)
+                ref.pins[k] = ref.pins.get(k, 0) + 1
+        elif ref.committed:  # an eviction
+            k = rng.choice(ref.committed)
+            if ref.pins.get(k):
+                continue
+            assert tier.delete(k)
+            ref.committed.remove(k)
+            del ref.offset[k]
+        if step % 50:
+            continue
+        scanned.clear()
+        for region in range(tier.num_extents):
+            assert tier.region_keys(region) == ref.keys(region), f"step {step}, region {region}"
+            assert tier.region_busy(region) == ref.busy(region), f"step {step}, region {region}"
+        assert scanned == []  # no entry of the arena was looked at to answer for a region
+        for k in ref.offset:
+            assert tier.region_of(k) == ref.region(k)
+        assert len(scanned) == len(ref.offset)  # one slot each: the key's own
+        members = {r: set(ks) for r, ks in tier._regions.items()}  # per region, its own keys
+        assert members == {r: {k for k in ref.offset if ref.region(k) == r}
+                           for r in {ref.region(k) for k in ref.offset}}
+    assert len(ref.committed) > 20 and tier.free < 4 * extent  # it ran full, with many entries
     tier.close()
 
 

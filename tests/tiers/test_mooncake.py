@@ -51,6 +51,18 @@ def test_two_processes_see_each_others_chunks(mooncake_shared):
     b.close()
 
 
+def test_oldest_is_the_head_of_this_processes_list_and_asks_the_master_nothing(mooncake_shared):
+    """Mooncake lists objects in no order, so the tier's own list (chunks this process
+    committed, oldest first) is what the uploader evicts from: its head, no master call."""
+    with open_tier(mooncake_shared.master_address) as tier:
+        for i in range(20):
+            assert tier.put(key(i), data(i, 4096), 4096)
+        calls = []
+        call = tier._conn.call
+        tier._conn.call = lambda *a, **kw: calls.append(a[0]) or call(*a, **kw)
+        assert tier.oldest(3) == [key(0), key(1), key(2)] and calls == []
+
+
 def test_another_process_learns_an_entry_size_from_its_header(mooncake_shared):
     prefix = unique_prefix()
     a = open_tier(mooncake_shared.master_address, prefix=prefix)

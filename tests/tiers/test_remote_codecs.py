@@ -292,9 +292,9 @@ def test_the_uploader_and_the_tenant_tiers_pass_formats_down(valkey_backend):
     tiers = TenantTiers(lambda t: valkey_backend.open("int8", tenant_prefix(prefix, t)), lambda k: "acme")
     uploader = Uploader(tiers, SEG, max_queued=4)
     try:
-        done: list[bool] = []
-        assert uploader.submit(key(1), chunk(1), done.append, SEG, FMT)
-        assert uploader.submit(key(2), chunk(2), done.append, SEG)
+        done: list[bool] = []  # an upload goes where the chunk's own tenant says
+        assert uploader.submit(key(1), chunk(1), done.append, SEG, FMT, tenant="acme")
+        assert uploader.submit(key(2), chunk(2), done.append, SEG, tenant="acme")
         assert uploader.flush(timeout=10) and done == [True, True]
         acme = tiers._tier("acme")
         assert valkey_backend.stored_bytes(acme, key(1)) == CODED_HEADER + LAYERS * frame_bytes("int8", SEG, FMT)

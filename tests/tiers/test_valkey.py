@@ -50,6 +50,44 @@ def test_the_cluster_spreads_chunks_over_its_nodes_and_keeps_one_index(valkey_cl
         assert torch.equal(tier.get(key(7), offset=5000, length=6000), data(7)[5000:11000])
 
 
+def commands_sent(clients, call) -> list[list[str]]:
+    """The commands ``call()`` makes the servers run, from their slowlogs (every command logged
+    while it runs; the slowlog threshold is put back after)."""
+    for c in clients:
+        c.config_set("slowlog-log-slower-than", 0)
+        c.slowlog_reset()
+    try:
+        call()
+        logged = [entry for c in clients for entry in c.slowlog_get(128)]
+    finally:
+        for c in clients:
+            c.config_set("slowlog-log-slower-than", 10000)
+    sent = []
+    for entry in logged:
+        cmd = entry["command"]
+        args = (cmd.decode() if isinstance(cmd, bytes) else cmd).split()
+        if args[0].upper() not in ("SLOWLOG", "CONFIG"):
+            sent.append(args)
+    return sent
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_oldest_is_one_bounded_range_of_the_index(cluster, request):
+    """What the uploader evicts when the shared tier is full: the first n of the index in one
+    ``ZRANGE idx 0 n-1``, not the whole index (which ``keys`` reads)."""
+    servers = request.getfixturevalue("valkey_cluster" if cluster else "valkey_standalone")
+    nodes = servers.nodes if cluster else [servers]
+    addresses = servers.addresses if cluster else [servers.address]
+    with open_tier(addresses, cluster=cluster) as tier:
+        for i in range(40):
+            assert tier.put(key(i), data(i, 4096), 4096)
+        got = []
+        sent = commands_sent([n.client() for n in nodes], lambda: got.append(tier.oldest(3)))
+        assert got == [[key(0), key(1), key(2)]]
+        assert sent == [["ZRANGE", f"{{{tier.config.prefix}}}:idx", "0", "2"]]
+        assert tier.oldest(0) == [] and tier.oldest(100) == tier.keys()
+
+
 def test_two_processes_share_chunks_index_and_budget(valkey_standalone):
     prefix = unique_prefix()
     a = open_tier([valkey_standalone.address], 3 * PER_ENTRY, prefix=prefix)

@@ -175,6 +175,28 @@ class TierContract:
         assert not tier.is_pinned(key(1))
         assert tier.delete(key(1))
 
+    def test_pins_count_entries_and_every_nested_pin(self, tier):
+        tier.put(key(1), data(1))
+        tier.put(key(2), data(2))
+        assert tier.pin(key(1)) and tier.pin(key(1)) and tier.pin(key(2))
+        assert (tier.pinned_count(), tier.pin_total()) == (2, 3)
+        tier.unpin(key(1))
+        assert (tier.pinned_count(), tier.pin_total()) == (2, 2)
+        tier.unpin(key(1))
+        tier.unpin(key(2))
+        assert (tier.pinned_count(), tier.pin_total()) == (0, 0)
+
+    def test_oldest_is_the_head_of_keys_oldest_first(self, tier):
+        for i in (3, 1, 2):
+            assert tier.put(key(i), data(i), SEGMENT)
+        assert tier.oldest(2) == tier.keys()[:2] == [key(3), key(1)]
+        assert tier.oldest(10) == tier.keys() == [key(3), key(1), key(2)]
+        assert tier.oldest(0) == []
+        tier.delete(key(3))
+        assert tier.oldest(1) == [key(1)]
+        with pytest.raises(ValueError, match="oldest"):
+            tier.oldest(-1)
+
     def test_pinning_something_absent_pins_nothing(self, tier):
         assert tier.pin(key(5)) is False
         with tier.pinned(key(5)) as held:

@@ -236,8 +236,6 @@ class StoreDaemon:
         if not self.config.access.allowed(session.peer.uid, tenant):
             raise BadRequest(f"uid {session.peer.uid} may not use tenant {tenant!r}")
         keys = bind_keys(session.namespace(tenant), protocol.keys(req))
-        assert self.cache is not None
-        self.cache.tag(keys, tenant)  # TENANT-API
         return ns, keys, tenant
 
     @staticmethod

@@ -76,18 +76,18 @@ def _cannot_hold(daemon: StoreDaemon, ns: ClientNamespace) -> str | None:
     return None
 
 def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys, _tenant = daemon.bound(session, req)
+    ns, keys, tenant = daemon.bound(session, req)
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
     assert daemon.cache is not None
-    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c))  # TENANT-API
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c), tenant=tenant)
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
 def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    _, keys, _tenant = daemon.bound(session, req)
+    _, keys, tenant = daemon.bound(session, req)
     assert daemon.cache is not None
     names = [t.name for t in daemon.cache.tiers]
-    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys)]}  # TENANT-API
+    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys, tenant=tenant)]}
 
 def _entry_shapes(req: dict[str, object], ns: ClientNamespace, count: int) -> tuple[Shape, Shape | None]:
     """(the shape of a full chunk, the shape of the request's last chunk when ``tail_tokens``
@@ -106,7 +106,7 @@ def _unique(keys: list[object]) -> None:
 
 
 def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys, _tenant = daemon.bound(session, req)
+    ns, keys, tenant = daemon.bound(session, req)
     _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
@@ -115,8 +115,8 @@ def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
         raise BadRequest(f"lease {lease_id} is already held on this connection")
     assert daemon.cache is not None
     use = daemon.use_of(req, session)
-    held = daemon.cache.acquire(keys, entry=full, start=first, use=use,  # TENANT-API last_entry=tail
-                                deadline=_deadline(req))  # TENANT-API
+    held = daemon.cache.acquire(keys, entry=full, last_entry=tail, start=first, use=use,
+                                deadline=_deadline(req), tenant=tenant)
     # every chunk handed out must be exactly the size the client will read: a chunk saved
     # with another size under this key (a client of this namespace that lied) ends the lease
     # there, never a view over another entry's bytes
@@ -149,7 +149,7 @@ def release(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     return {"ok": True}
 
 def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys, _tenant = daemon.bound(session, req)
+    ns, keys, tenant = daemon.bound(session, req)
     _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
@@ -168,7 +168,7 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
             shape = tail if tail is not None and i == len(keys) - 1 else full
             try:
                 res = daemon.cache.reserve(key, shape, position=first + i, remaining=len(keys) - i,
-                                           deadline=deadline, fmt=ns.fmt)  # TENANT-API
+                                           deadline=deadline, fmt=ns.fmt, tenant=tenant)
             except TierFullError:
                 break
             if res is Slot.HELD:
@@ -217,22 +217,24 @@ def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     return {"ok": True, "freed": daemon.leases.forget(session.client, ids)}
 
 def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys, _tenant = daemon.bound(session, req)
+    ns, keys, tenant = daemon.bound(session, req)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
-    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req, session), entry=ns.shape, wait=wait)  # TENANT-API
+    n = daemon.cache.prefetch(keys, start=first, use=daemon.use_of(req, session), entry=ns.shape, wait=wait,
+                              tenant=tenant)
     return {"ok": True, "promoted": n}
 
 def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
-    ns, keys, _tenant = daemon.bound(session, req)
+    ns, keys, tenant = daemon.bound(session, req)
     request_id = protocol.text(req, "request_id")
     if not request_id:
         raise BadRequest("queued needs a request_id")
     wait = req.get("wait", False) is True
     assert daemon.cache is not None
     name = daemon.request_name(session, request_id)
-    return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait)}  # type: ignore[arg-type]  # TENANT-API
+    return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait,  # type: ignore[arg-type]
+                                                        tenant=tenant)}
 
 def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")

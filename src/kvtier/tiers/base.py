@@ -15,6 +15,9 @@ Reading: ``get`` copies bytes out and returns None on a miss. A miss caused by d
 file, checksum mismatch) is logged and counted in :attr:`Tier.stats` and the damaged entry is
 dropped; wrong bytes are never returned.
 
+Listing: ``keys()`` is the whole index, oldest first (a remote tier reads all of it from its
+server); ``oldest(n)`` is its first ``n`` in one bounded query, for making room on a hot path.
+
 Pinning: ``pin(key)`` keeps an entry from being deleted (``delete`` raises
 :class:`EntryPinnedError`) until the matching ``unpin``. Pins nest. The store pins what it reads
 so that a concurrent eviction cannot pull an entry out from under a reader.
@@ -263,7 +266,22 @@ class Tier(ABC):
 
     @abstractmethod
     def keys(self) -> list[ChunkKey]:
-        """Committed keys, oldest first."""
+        """Committed keys, oldest first. Reads the whole index (for a remote tier, all of it
+        from the server): for listing and restarts, never per request; :meth:`oldest` for a
+        few victims."""
+
+    def oldest(self, n: int) -> list[ChunkKey]:
+        """At most ``n`` committed keys, oldest first (the first ``n`` of :meth:`keys`), found
+        without reading the whole index: a remote tier asks its server one bounded query. For
+        making room a few entries at a time. Default: ``keys()[:n]`` (a local tier's index is
+        in memory)."""
+        return self.keys()[:n] if self._check_limit(n) else []
+
+    def _check_limit(self, n: object) -> int:
+        """``n`` of :meth:`oldest`, checked (ValueError unless an int >= 0)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{self.name}: oldest(n) needs an int n >= 0, got {n!r}")
+        return n
 
     # -- deletes ------------------------------------------------------------------------------
     def delete(self, key: ChunkKey) -> bool:
@@ -310,6 +328,13 @@ class Tier(ABC):
         """Entries pinned now (by this process)."""
         with self._lock:
             return len(self._pins)
+
+    def pin_total(self) -> int:
+        """Pins held now (by this process), nested ones each counted: :meth:`pinned_count`
+        counts distinct entries, this counts every ``pin`` not yet matched by an ``unpin`` (a
+        gap between the two that grows is a leaked pin)."""
+        with self._lock:
+            return sum(self._pins.values())
 
     def reserved_count(self) -> int:
         """Reservations open now (entries being written), where the tier tracks them."""

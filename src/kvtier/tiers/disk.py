@@ -13,7 +13,11 @@ File format (all integers little-endian)::
 Version 3 (written for entries stored through a codec, :mod:`kvtier.tiers.coded`) adds, after
 the position, raw_nbytes u64, raw_segment_bytes u64 and the KV format (dtype code u8, kv u8,
 head_dim u32), and keeps the codec's id in ``flags``;
-its payload is the codec's frames, one segment each. Version 1 files (no position) are still read.
+its payload is the codec's frames, one segment each. Version 4 (written for a chunk of a tenant)
+has version 3's fields (raw_nbytes 0 and no format for a raw entry) and then the tenant: its
+length u16 and its UTF-8 bytes (at most :data:`MAX_TENANT_BYTES`), before the checksums; the
+tenant decides where the chunk goes when it leaves SSD (the tenant's prefix of the remote tier),
+after a restart too. Version 1 files (no position) are still read.
 
 Guarantees:
 
@@ -75,6 +79,9 @@ VERSION = 2
 _FIXED_V1 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
 _FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQI")
 _FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBI")
+_FIXED_V4 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBIH")
+MAX_TENANT_BYTES = 512
+"""A tenant's name in a header at most (the daemon's own limit on names)."""
 _NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
 _GONE = (errno.ENOENT, errno.ENOTDIR)
@@ -136,23 +143,47 @@ class _Entry:
     coding: Coding | None = None
     """Set when the payload holds a codec's frames (``nbytes``/``segment_bytes`` are then the
     stored sizes, the coding has the raw ones)."""
+    tenant: str = ""
 
     @property
     def file_bytes(self) -> int:
         return self.header_len + round_up(self.nbytes)
 
 
-def header_len_for(n_segments: int, coded: bool = False) -> int:
+def header_len_for(n_segments: int, coded: bool = False, tenant_bytes: int = 0) -> int:
+    """The header length of an entry of ``n_segments`` (``coded``: a codec's frames;
+    ``tenant_bytes``: the UTF-8 length of its tenant, 0 for none)."""
+    if tenant_bytes:
+        return round_up(_FIXED_V4.size + tenant_bytes + 8 * n_segments + 8)
     return round_up((_FIXED_V3 if coded else _FIXED).size + 8 * n_segments + 8)
+
+
+def tenant_bytes(tenant: str) -> bytes:
+    """A tenant's name as a header holds it; ValueError if it cannot."""
+    if not isinstance(tenant, str):
+        raise TypeError(f"disk: a tenant is a string, got {type(tenant).__name__}")
+    raw = tenant.encode()
+    if len(raw) > MAX_TENANT_BYTES:
+        raise ValueError(f"disk: a tenant name is at most {MAX_TENANT_BYTES} bytes, got {len(raw)}")
+    return raw
 
 
 def _encode_header(
     key: ChunkKey, nbytes: int, segment_bytes: int, checksums: list[int], seq: int,
-    position: int | None = None, coding: Coding | None = None,
+    position: int | None = None, coding: Coding | None = None, tenant: str = "",
 ) -> bytes:
-    hlen = header_len_for(len(checksums), coding is not None)
+    name = tenant_bytes(tenant)
+    hlen = header_len_for(len(checksums), coding is not None, len(name))
     pos = _NO_POSITION if position is None or not 0 <= position < _NO_POSITION else position
-    if coding is None:
+    if name:
+        flags, raw_n, raw_seg, dcode, kv, hd = 0, 0, 0, 0, 0, 0
+        if coding is not None:
+            fmt = coding.fmt
+            dcode, kv, hd = (DTYPES[fmt.dtype][0], fmt.kv, fmt.head_dim) if fmt is not None else (0, 0, 0)
+            flags, raw_n, raw_seg = coding.codec_id, coding.raw_nbytes, coding.raw_seg
+        body = _FIXED_V4.pack(MAGIC, 4, flags, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos,
+                              raw_n, raw_seg, dcode, kv, hd, len(name)) + name
+    elif coding is None:
         body = _FIXED.pack(MAGIC, VERSION, 0, hlen, key, nbytes, segment_bytes, len(checksums), seq, pos)
     else:
         fmt = coding.fmt
@@ -181,6 +212,7 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}")
     raw_sizes = None
+    name = b""
     if version == 1:
         fixed, position = _FIXED_V1, _NO_POSITION
         _m, _v, _flags, hlen, key, nbytes, seg, nseg, seq = fixed.unpack_from(raw)
@@ -194,21 +226,37 @@ def _decode_header(raw: bytes) -> tuple[ChunkKey, _Entry, int]:
         _m, _v, flags, hlen, key, nbytes, seg, nseg, seq, position, raw_n, raw_seg, dcode, kv, hd = \
             fixed.unpack_from(raw)
         raw_sizes = (flags, raw_n, raw_seg, _header_format(dcode, kv, hd))
+    elif version == 4:
+        fixed = _FIXED_V4
+        if len(raw) < fixed.size:
+            raise ValueError("header truncated")
+        _m, _v, flags, hlen, key, nbytes, seg, nseg, seq, position, raw_n, raw_seg, dcode, kv, hd, tlen = \
+            fixed.unpack_from(raw)
+        if not 0 < tlen <= MAX_TENANT_BYTES or len(raw) < fixed.size + tlen:
+            raise ValueError("tenant length mismatch")
+        name = bytes(raw[fixed.size : fixed.size + tlen])
+        if raw_n:
+            raw_sizes = (flags, raw_n, raw_seg, _header_format(dcode, kv, hd))
     else:
         raise ValueError(f"unsupported version {version}")
-    if hlen != round_up(fixed.size + 8 * nseg + 8) or len(raw) < hlen:
+    start = fixed.size + len(name)  # the checksums
+    if hlen != round_up(start + 8 * nseg + 8) or len(raw) < hlen:
         raise ValueError("header length mismatch")
     if seg <= 0 or nseg != -(-nbytes // seg):
         raise ValueError("segment table mismatch")
-    end = fixed.size + 8 * nseg
+    end = start + 8 * nseg
     (stored,) = struct.unpack_from("<Q", raw, end)
     if xxhash.xxh3_64_intdigest(raw[:end]) != stored:
         raise ValueError("header checksum mismatch")
-    checksums = struct.unpack_from(f"<{nseg}Q", raw, fixed.size)
+    try:
+        tenant = name.decode()
+    except UnicodeDecodeError:
+        raise ValueError("tenant is not UTF-8") from None
+    checksums = struct.unpack_from(f"<{nseg}Q", raw, start)
     pos = None if position == _NO_POSITION else position
     coding = None if raw_sizes is None else Coding.parse(raw_sizes[0], raw_sizes[1], raw_sizes[2], nbytes, seg,
                                                          raw_sizes[3])
-    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos, coding), seq
+    return ChunkKey(key), _Entry(nbytes, seg, hlen, tuple(checksums), pos, coding, tenant), seq
 
 
 class _BufferPool:
@@ -460,7 +508,9 @@ class DiskTier(Tier):
     def footprint(self, nbytes: int, segment_bytes: int | None = None, coded: bool = False) -> int:
         """Bytes charged for an entry stored as given (a raw entry that this tier's codec then
         compresses is charged what it takes once framed)."""
-        return header_len_for(-(-nbytes // (segment_bytes or nbytes)), coded) + round_up(nbytes)
+        n = -(-nbytes // (segment_bytes or nbytes))
+        # a room estimate: as large as the header of an entry of any tenant (the charge is exact)
+        return max(header_len_for(n, coded), header_len_for(n, coded, MAX_TENANT_BYTES)) + round_up(nbytes)
 
     def position_of(self, key: ChunkKey) -> int | None:
         """The position recorded with a chunk (its index in its sequence), if any."""
@@ -470,15 +520,17 @@ class DiskTier(Tier):
 
     # -- writes -------------------------------------------------------------------------------
     def _take(self, key: ChunkKey, nbytes: int, segment_bytes: int | None,
-              coded: bool = False) -> tuple[int, int]:
-        """Check the request and charge its space; returns (segment bytes, bytes charged)."""
+              coded: bool = False, tenant: str = "") -> tuple[int, int]:
+        """Check the request and charge its space (exactly what its file takes); returns
+        (segment bytes, bytes charged)."""
         key = check_key(key)
+        name = tenant_bytes(tenant)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"disk: entry size must be a positive int, got {nbytes!r}")
         seg = nbytes if segment_bytes is None else segment_bytes
         if not isinstance(seg, int) or seg <= 0:
             raise ValueError(f"disk: segment_bytes must be a positive int, got {segment_bytes!r}")
-        charge = self.footprint(nbytes, seg, coded)
+        charge = header_len_for(-(-nbytes // seg), coded, len(name)) + round_up(nbytes)
         if charge > self.capacity:
             raise ValueError(
                 f"disk: entry of {nbytes} bytes ({charge} on disk) is larger than the tier's "
@@ -503,17 +555,18 @@ class DiskTier(Tier):
         return entry is not None
 
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None, *,
-                position: int | None = None) -> Reservation:
-        """Like :meth:`Tier.reserve`; the entry is stored raw (only :meth:`put` compresses)."""
-        return self._reserve(key, nbytes, segment_bytes, position, None)
+                position: int | None = None, tenant: str = "") -> Reservation:
+        """Like :meth:`Tier.reserve`; the entry is stored raw (only :meth:`put` compresses).
+        ``tenant``: whose chunk it is, recorded in its header (:meth:`tenant_of`)."""
+        return self._reserve(key, nbytes, segment_bytes, position, None, tenant)
 
     def _reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None, position: int | None,
-                 coding: Coding | None) -> Reservation:
-        seg, charge = self._take(key, nbytes, segment_bytes, coding is not None)
+                 coding: Coding | None, tenant: str = "") -> Reservation:
+        seg, charge = self._take(key, nbytes, segment_bytes, coding is not None, tenant)
         hlen = charge - round_up(nbytes)
         staging = self._pool.take(charge)
         payload = torch.frombuffer(staging, dtype=torch.uint8)[hlen : hlen + nbytes]
-        return Reservation(key, nbytes, seg, payload, (staging, coding), position)
+        return Reservation(key, nbytes, seg, payload, (staging, coding, tenant), position)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
         key = reservation.key
@@ -521,7 +574,7 @@ class DiskTier(Tier):
             charge = self._reserved.get(key)
         if charge is None:
             raise ValueError(f"disk: no open reservation for chunk {key.hex()}")
-        staging, coding = reservation.slot  # type: ignore[misc]
+        staging, coding, tenant = reservation.slot  # type: ignore[misc]
         entry = None
         try:
             if ok:
@@ -531,7 +584,7 @@ class DiskTier(Tier):
                     entry = self._write_file(
                         key, view[hlen : hlen + reservation.nbytes], reservation.segment_bytes,
                         header=view[:hlen], tail=view[hlen + reservation.nbytes : charge],
-                        position=reservation.position, coding=coding,
+                        position=reservation.position, coding=coding, tenant=tenant,
                     )
                 finally:
                     view.release()
@@ -542,12 +595,13 @@ class DiskTier(Tier):
         return stored
 
     def put(self, key: ChunkKey, data: object, segment_bytes: int | None = None, *,
-            position: int | None = None, fmt: KVFormat | None = None) -> bool:
+            position: int | None = None, fmt: KVFormat | None = None, tenant: str = "") -> bool:
         """Like :meth:`Tier.put`; page-aligned CPU data (a host-tier slot, say) is written
         straight from where it lies, without a copy through a staging buffer. ``position``: the
         chunk's index in its sequence, recorded in the header for the policies after a restart.
         ``fmt``: what the bytes are, when they are KV; with a codec configured such an entry is
-        stored compressed (see :mod:`kvtier.tiers.coded`), anything else raw."""
+        stored compressed (see :mod:`kvtier.tiers.coded`), anything else raw. ``tenant``: whose
+        chunk it is, recorded in its header."""
         src = as_byte_tensor(data)
         coding = None
         coded = encode_entry(self.codec, src, segment_bytes, fmt)
@@ -559,14 +613,14 @@ class DiskTier(Tier):
             not self._direct or (src.data_ptr() % PAGE == 0 and nbytes % PAGE == 0)
         )
         if not aligned or nbytes == 0 or coding is not None:
-            res = self._reserve(key, nbytes, segment_bytes, position, coding)
+            res = self._reserve(key, nbytes, segment_bytes, position, coding, tenant)
             try:
                 res.buffer.copy_(src)
             except BaseException:
                 self.commit(res, ok=False)
                 raise
             return self.commit(res, ok=True)
-        seg, charge = self._take(key, nbytes, segment_bytes)
+        seg, charge = self._take(key, nbytes, segment_bytes, tenant=tenant)
         hlen = charge - round_up(nbytes)
         entry = None
         header = self._pool.take(hlen)
@@ -575,7 +629,7 @@ class DiskTier(Tier):
             hview = memoryview(header)
             try:
                 entry = self._write_file(key, payload, seg, header=hview[:hlen], tail=None,
-                                         position=position)
+                                         position=position, tenant=tenant)
             finally:
                 hview.release()
         finally:
@@ -592,6 +646,7 @@ class DiskTier(Tier):
         tail: memoryview | None,
         position: int | None = None,
         coding: Coding | None = None,
+        tenant: str = "",
     ) -> _Entry | None:
         """Checksum ``payload`` and write header, payload and padding (``tail``, zeroed) to a
         temporary file, then rename it into place. None (logged, counted) on an I/O error.
@@ -601,7 +656,7 @@ class DiskTier(Tier):
         with self._lock:
             self._seq += 1
             seq = self._seq
-        raw = _encode_header(key, nbytes, seg, checksums, seq, position, coding)
+        raw = _encode_header(key, nbytes, seg, checksums, seq, position, coding, tenant)
         header[:] = raw
         bufs = [header, payload]
         if tail is not None and len(tail):
@@ -640,7 +695,7 @@ class DiskTier(Tier):
         self.stats.writes += 1
         self.stats.bytes_written += nbytes
         pos = None if position is None or not 0 <= position < _NO_POSITION else position
-        return _Entry(nbytes, seg, len(header), tuple(checksums), pos, coding)
+        return _Entry(nbytes, seg, len(header), tuple(checksums), pos, coding, tenant)
 
     # -- reads --------------------------------------------------------------------------------
     def get(
@@ -784,6 +839,12 @@ class DiskTier(Tier):
         with self._lock:
             entry = self._entries.get(key)
             return entry.coding.fmt if entry is not None and entry.coding is not None else None
+
+    def tenant_of(self, key: ChunkKey) -> str | None:
+        """The tenant recorded with a committed entry ("" for none), None if absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.tenant
 
     def codec_of(self, key: ChunkKey) -> str | None:
         """The codec a committed entry is stored with (``"none"``: raw), None if absent."""

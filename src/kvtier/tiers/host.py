@@ -10,7 +10,8 @@ size an *extent* at a time: the arena is cut into extents of ``extent_bytes``; a
 slots of one size no larger than it, and goes back to the pool for any size once they are all
 free; a slot larger than an extent takes a run of whole contiguous extents of its own. To make
 room for a size that has no free slot, the store evicts the region (extent, or run) holding the
-policy's victim (:meth:`HostTier.region_keys`).
+policy's victim (:meth:`HostTier.region_keys`); each region keeps its own members, so asking
+about one costs its entries, not the arena's.
 
 The arena is a memory mapping: anonymous by default, or a named POSIX shared-memory object
 (``/dev/shm/<shm_name>``) that other processes can map with :meth:`HostArena.attach`, so a store
@@ -200,6 +201,8 @@ class _Slot:
     segment: int
     fmt: KVFormat | None = None
     """What the bytes are when they are KV (a lower tier with a codec compresses them)."""
+    tenant: str = ""
+    """Whose chunk it is: it goes down to SSD and the remote tier with it."""
 
 
 @dataclass(slots=True)
@@ -260,6 +263,9 @@ class HostTier(Tier):
         self._reserved: dict[ChunkKey, _Slot] = {}
         self._used = 0
         self._draining: set[int] = set()
+        self._regions: dict[int, dict[ChunkKey, None]] = {}
+        """Per region (its first extent's index): its reserved and committed keys, committed
+        ones in commit order -- so a victim's region is found without scanning every entry."""
 
     @property
     def num_slots(self) -> int:
@@ -329,10 +335,27 @@ class HostTier(Tier):
         lo = slot.offset - slot.offset % self.extent_bytes
         return lo, lo + self.extent_bytes
 
+    def _region_index(self, slot: _Slot) -> int:
+        return self._region(slot)[0] // self.extent_bytes
+
+    def _join_region(self, key: ChunkKey, slot: _Slot) -> None:
+        """``key`` took ``slot`` (reserved), or committed it: (last) in its region's members."""
+        members = self._regions.setdefault(self._region_index(slot), {})
+        members.pop(key, None)
+        members[key] = None
+
+    def _leave_region(self, key: ChunkKey, slot: _Slot) -> None:
+        region = self._region_index(slot)
+        members = self._regions.get(region)
+        if members is not None:
+            members.pop(key, None)
+            if not members:
+                del self._regions[region]
+
     def region_of(self, key: ChunkKey) -> int | None:
         with self._lock:
             slot = self._entries.get(key) or self._reserved.get(key)
-            return self._region(slot)[0] // self.extent_bytes if slot is not None else None
+            return self._region_index(slot) if slot is not None else None
 
     def region_serves(self, key: ChunkKey, nbytes: int) -> bool:
         """Whether evicting ``key`` alone frees a slot an entry of ``nbytes`` can take."""
@@ -341,9 +364,11 @@ class HostTier(Tier):
             return slot is not None and slot.stride == self.stride_for(nbytes)
 
     def _region_entries(self, region: int) -> list[tuple[ChunkKey, _Slot, bool]]:
-        lo = region * self.extent_bytes
-        out = [(k, s, False) for k, s in self._entries.items() if self._region(s)[0] == lo]
-        return out + [(k, s, True) for k, s in self._reserved.items() if self._region(s)[0] == lo]
+        """The region's entries: committed ones (in commit order), then reserved ones
+        (``True``). Its own members only: O(entries of the region), not of the arena."""
+        members = self._regions.get(region, {})
+        out = [(k, s, False) for k in members if (s := self._entries.get(k)) is not None]
+        return out + [(k, s, True) for k in members if (s := self._reserved.get(k)) is not None]
 
     def region_keys(self, region: int) -> list[ChunkKey]:
         """Committed entries in region ``region`` (an extent's index)."""
@@ -418,10 +443,11 @@ class HostTier(Tier):
             self._give_extents(ext, 1)
 
     def reserve(self, key: ChunkKey, nbytes: int, segment_bytes: int | None = None,
-                slot_bytes: int | None = None, fmt: KVFormat | None = None) -> Reservation:
+                slot_bytes: int | None = None, fmt: KVFormat | None = None, tenant: str = "") -> Reservation:
         """Take a slot for ``key``. ``slot_bytes``: the slot size to take (a part of a typed
         object, smaller than a chunk, still takes a chunk's slot); default: ``nbytes``.
-        ``fmt``: what the bytes are when they are KV, kept for :meth:`format_of`."""
+        ``fmt``: what the bytes are when they are KV, kept for :meth:`format_of`; ``tenant``:
+        whose chunk it is, kept for :meth:`tenant_of`."""
         key = check_key(key)
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"host: entry size must be a positive int, got {nbytes!r}")
@@ -430,8 +456,9 @@ class HostTier(Tier):
             if key in self._entries or key in self._reserved:
                 raise EntryExistsError(f"host: chunk {key.hex()} is already stored or being written")
             offset = self._take_slot(stride)
-            slot = _Slot(offset, nbytes, stride, segment_bytes or nbytes, fmt)
+            slot = _Slot(offset, nbytes, stride, segment_bytes or nbytes, fmt, tenant)
             self._reserved[key] = slot
+            self._join_region(key, slot)
         return Reservation(key, nbytes, segment_bytes or nbytes, self._slot_view(offset, nbytes), offset)
 
     def commit(self, reservation: Reservation, ok: bool = True) -> bool:
@@ -441,9 +468,11 @@ class HostTier(Tier):
                 raise ValueError(f"host: no open reservation for chunk {reservation.key.hex()}")
             del self._reserved[reservation.key]
             if not ok:
+                self._leave_region(reservation.key, slot)
                 self._give_slot(slot)
                 return False
             self._entries[reservation.key] = slot
+            self._join_region(reservation.key, slot)  # last: commit order
             self.stats.writes += 1
             self.stats.bytes_written += reservation.nbytes
             return True
@@ -516,6 +545,12 @@ class HostTier(Tier):
             slot = self._entries.get(key)
             return slot.fmt if slot else None
 
+    def tenant_of(self, key: ChunkKey) -> str | None:
+        """The tenant a committed (or reserved) entry was stored for; None if absent."""
+        with self._lock:
+            slot = self._entries.get(key) or self._reserved.get(key)
+            return slot.tenant if slot else None
+
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._entries)
@@ -524,6 +559,7 @@ class HostTier(Tier):
         slot = self._entries.pop(key, None)
         if slot is None:
             return False
+        self._leave_region(key, slot)
         self._give_slot(slot)
         return True
 
@@ -531,5 +567,6 @@ class HostTier(Tier):
         with self._lock:
             self._entries.clear()
             self._reserved.clear()
+            self._regions.clear()
             self._classes.clear()
             self.arena.close()

@@ -13,6 +13,7 @@ What is shared and what is per process:
   counter that several clients can update atomically, so each tier object lists the chunks *it*
   committed (oldest first) and charges them to its own budget: give each process its share of
   the pool as ``capacity_bytes``. The pool's own limit shows as TierFullError from ``reserve``.
+  ``oldest(n)`` (what the uploader evicts when the budget is spent) is the head of that list.
   Mooncake evicts objects by itself when the pool passes its high watermark; such a chunk becomes
   a miss and leaves this process's list on its next read.
 - The bytes live in the memory of whoever mounts segments: ``global_segment_bytes`` of this
@@ -37,6 +38,7 @@ not in this process's list.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -560,6 +562,14 @@ class MooncakeTier(RemoteTier):
         """Chunks this process committed, oldest first (see the module docstring)."""
         with self._lock:
             return list(self._entries)
+
+    def oldest(self, n: int) -> list[ChunkKey]:
+        """The first ``n`` of :meth:`keys`, from this process's own list (Mooncake lists objects
+        in no order, so there is no server-side query to bound): no call to the master, and
+        ``n`` steps, not a copy of the whole list."""
+        n = self._check_limit(n)
+        with self._lock:
+            return list(itertools.islice(self._entries, n))
 
     # -- deletes ------------------------------------------------------------------------------
     def _delete_unpinned(self, key: ChunkKey) -> bool:

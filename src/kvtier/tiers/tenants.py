@@ -4,9 +4,14 @@ With ``ValkeyTierConfig(tenant_prefixes=True)`` a store keeps each tenant's chun
 tenant's index, budget and reservations) under ``<prefix>.t.<tenant>`` -- ``<prefix>.shared``
 for the empty tenant -- so that Valkey ACLs can confine an instance to its tenants' keys
 (``~{<prefix>.t.acme}* ~{<prefix>.t.acme:*``). Each tenant's prefix has the whole
-``capacity_bytes`` budget. Which tenant a key belongs to is told by the store
-(``tenant_of``): the tenant it was saved or looked up under; a key the store has not seen
-under a tenant goes to the shared prefix.
+``capacity_bytes`` budget.
+
+Which tenant a key belongs to: writes name it (``put_many(..., tenants=)``, or the tier of one
+tenant, :meth:`TenantTiers.for_tenant`) -- the store takes it from the entry itself, which
+records its tenant in DRAM, in its SSD file's header and in its remote object's header, so an
+eviction or an upload after a restart never depends on a map held in memory. Reads and lookups
+ask ``tenant_of(key)``, which the store answers with the tenant of the request being served
+(its keys are bound to that tenant), else the tenant recorded with the entry.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class TenantTiers(Tier):
                 if tier is None:
                     tier = self._tiers[tenant] = self._make(tenant)
         return tier
+
+    def for_tenant(self, tenant: str) -> Tier:
+        """The tier of ``tenant``'s chunks (its own prefix)."""
+        return self._tier(tenant)
 
     def _for(self, key: ChunkKey) -> Tier:
         return self._tier(self._tenant_of(key))
@@ -131,12 +140,21 @@ class TenantTiers(Tier):
     # -- batches, one call per tenant ---------------------------------------------------------
     def put_many(self, keys: Sequence[ChunkKey], datas: Sequence[object],
                  segment_bytes: int | None = None, *,
-                 fmts: Sequence[KVFormat | None] | None = None) -> list[PutOutcome]:
+                 fmts: Sequence[KVFormat | None] | None = None,
+                 tenants: Sequence[str] | None = None) -> list[PutOutcome]:
+        """``tenants``: each entry's tenant (default: ``tenant_of`` each key)."""
         self._paired(keys, datas, "entries")
         if fmts is not None:
             self._paired(keys, fmts, "formats")
         out: list[PutOutcome] = [False] * len(keys)
-        for tenant, idx in self._groups(keys).items():
+        if tenants is not None:
+            self._paired(keys, tenants, "tenants")
+            groups: dict[str, list[int]] = {}
+            for i, tenant in enumerate(tenants):
+                groups.setdefault(tenant, []).append(i)
+        else:
+            groups = self._groups(keys)
+        for tenant, idx in groups.items():
             got = self._tier(tenant).put_many([keys[i] for i in idx], [datas[i] for i in idx], segment_bytes,
                                               fmts=None if fmts is None else [fmts[i] for i in idx])
             for i, r in zip(idx, got, strict=True):
@@ -175,6 +193,22 @@ class TenantTiers(Tier):
 
     def keys(self) -> list[ChunkKey]:
         return [k for tier in list(self._tiers.values()) for k in tier.keys()]
+
+    def oldest(self, n: int) -> list[ChunkKey]:
+        """Each tenant's tier's oldest (one bounded query each) until ``n``, shared prefix first.
+        A tenant's budget is its own: room for its chunk is made with ``for_tenant(t).oldest``."""
+        out: list[ChunkKey] = []
+        for tier in list(self._tiers.values()):
+            if len(out) >= self._check_limit(n):
+                break
+            out += tier.oldest(n - len(out))
+        return out
+
+    def pinned_count(self) -> int:
+        return sum(t.pinned_count() for t in list(self._tiers.values()))  # pins live in each tenant's tier
+
+    def pin_total(self) -> int:
+        return sum(t.pin_total() for t in list(self._tiers.values()))
 
     def close(self) -> None:
         for tier in list(self._tiers.values()):

@@ -8,6 +8,8 @@ ranged read fetches header and range atomically (one script). The index, the bud
 reservations are keys under the ``{p}`` hash tag, changed only by the scripts of
 :mod:`kvtier.tiers.valkey_lua`, atomically also in a cluster: ``keys`` (oldest first),
 ``contains``, ``entry_bytes``, ``used`` and the capacity budget are the same for all processes.
+The index is a sorted set by write sequence: ``oldest(n)``, what the uploader evicts when the
+tier is full, is one ``ZRANGE 0 n-1`` (``keys`` reads it all).
 
 Chunks put with a ``fmt`` through a tier with a ``codec`` are stored as the codec's frames
 (:mod:`kvtier.tiers.remote`, version 2 objects); ``entry_bytes`` and the index keep their raw
@@ -443,8 +445,18 @@ class ValkeyTier(RemoteTier):
         return None if v is None else int(v.split()[0])
 
     def keys(self) -> list[ChunkKey]:
+        return self._range(-1)
+
+    def oldest(self, n: int) -> list[ChunkKey]:
+        """One ``ZRANGE idx 0 n-1``: the first ``n`` of the index, ordered by write sequence
+        (one key under the ``{p}`` tag: one node also in a cluster; a tenant's prefix has its
+        own index). Empty when the server is down."""
+        return self._range(n - 1) if self._check_limit(n) else []
+
+    def _range(self, last: int) -> list[ChunkKey]:
+        """Index entries ``0..last`` (-1: all), oldest first."""
         try:
-            members = self._conn.run("keys", lambda c: c.zrange(self._idx, 0, -1))
+            members = self._conn.run("keys", lambda c: c.zrange(self._idx, 0, last))
         except Unavailable:
             return []
         return [ChunkKey(bytes.fromhex(m.decode())) for m in members]
