@@ -41,3 +41,44 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     from kvtier.engines.default_model import default_model_dir
 
     return default_model_dir("tiny", home=tmp_path_factory.mktemp("kvtier-home"))
+
+
+# -- nothing of the suite is left in /dev/shm ---------------------------------------------------
+SHM = "/dev/shm"
+_shm_before: set[str] = set()
+_shm_first_seen: dict[str, str] = {}
+
+
+def _kvtier_shm() -> set[str]:
+    import os
+
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("kvtier-")}
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _shm_before.update(_kvtier_shm())
+
+
+@pytest.fixture(autouse=True)
+def _shm_owner(request: pytest.FixtureRequest):
+    """Which test an arena in /dev/shm first appeared in (for the session's final check)."""
+    yield
+    for name in _kvtier_shm() - _shm_before:
+        _shm_first_seen.setdefault(name, request.node.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left a shared-memory arena behind: a user's machine would keep it
+    (and its RAM) until reboot."""
+    import time
+
+    deadline = time.monotonic() + 5  # daemons of the last module may still be stopping
+    while (left := _kvtier_shm() - _shm_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        where = ", ".join(f"{n} (first seen after {_shm_first_seen.get(n, '?')})" for n in sorted(left))
+        print(f"\nkvtier test suite left shared memory behind in {SHM}: {where}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,4 +1,4 @@
-"""Model fingerprints: the model part of every chunk key, cheap enough for every process.
+"""Model fingerprints: the model part of every chunk key.
 
     model_fingerprint("/models/SmolLM2-135M-Instruct")       # a local directory
     model_fingerprint("HuggingFaceTB/SmolLM2-135M-Instruct")  # from the local HF cache only
@@ -7,61 +7,134 @@
 The result is ``f"{name}@{16 hex}"``: ``name`` is the directory's (or the hub repo's) last path
 component, the hash (xxh3_128) covers what decides the KV a model computes for given token ids:
 ``config.json`` and the other top-level ``*.json`` files (tokenizer and generation settings
-excluded), every ``*.safetensors`` file's name, size, header (dtypes, shapes, offsets) and the
-first and last MiB of its tensor data, and every ``*.bin``/``*.pt``/``*.pth``/``*.gguf`` file's
-name, size, first and last MiB. Weights are never read in full (about 2 MiB per file), so a vLLM
-scheduler and each worker can afford it at start. The data samples are there for fine-tunes:
-same shapes and sizes, other values; a change only in the middle of a large file goes unseen.
+excluded), and every weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``,
+``*.gguf``) by its name and an xxh3_128 digest of *all* its bytes. Two checkpoints that differ
+in a single byte anywhere in one weight file (a fine-tune of the same shapes) never share KV.
+
+Reading every weight is paid once per file and machine: each file's digest is kept in
+``$KVTIER_HOME/fingerprints/`` (default ``~/.cache/kvtier``), one small JSON each, under the
+file's real path, device, inode, size, modification time and change time (``st_ctime_ns``), and
+reused while all of them match (a vLLM scheduler and its workers, every restart). xxh3 hashes
+far faster than a disk reads, so the first start costs about one read of the weights, which the
+engine is about to do anyway (and then finds them in the page cache).
+
+Residual risk, stated: a file rewritten in place with its size, inode, mtime *and* ctime all
+unchanged would keep its old digest. A write updates ctime and nothing but a change of the
+system clock sets it back, so this takes a deliberate effort by someone who can already write
+the weights; delete ``$KVTIER_HOME/fingerprints`` to hash again. A home that cannot be written
+only costs the reuse (each process then hashes the weights itself).
 
 Guarantees: the same files give the same fingerprint wherever they lie (keys are shared across
 machines; a hub snapshot and a local copy in a directory of the repo's name agree); a change to
-the config, to any tensor's dtype, shape or offsets, or to any weight file's size changes it.
-Symlinks are followed (hub snapshots point into ``blobs/``). Nothing here touches the network
-or imports transformers or :mod:`kvtier.engines`.
+the config or to any byte of any weight file changes it. Symlinks are followed (hub snapshots
+point into ``blobs/``). Nothing here touches the network or imports transformers or
+:mod:`kvtier.engines`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import struct
+import tempfile
 from pathlib import Path
 
 import xxhash
 
-__all__ = ["model_fingerprint", "resolve_model_dir"]
+__all__ = ["file_digest", "fingerprint_cache_dir", "model_fingerprint", "resolve_model_dir"]
 
-_SAMPLE = 1 << 20
-"""Bytes hashed from each end of a weight file without a header to read."""
-_MAX_HEADER = 100 << 20
-"""The safetensors format's own limit on a header's size."""
-_SAMPLED = (".bin", ".pt", ".pth", ".gguf")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_READ = 8 << 20
+"""Bytes read at a time while hashing a weight file."""
 _SKIPPED_JSON = frozenset({
     "generation_config.json", "kvtier.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "chat_template.json",
 })
 """Files that change the text around token ids, never the KV of given ids."""
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_DIGEST_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
-def model_fingerprint(model: str | os.PathLike[str]) -> str:
+def model_fingerprint(model: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """``name@hash`` of a model directory or a hub id (``org/name[@revision]``) in the local
-    cache. Raises ``ValueError`` for a model that cannot be found, a directory without
-    ``config.json`` or a safetensors file whose header is damaged."""
+    cache. ``cache_dir``: where weight digests are kept (default ``$KVTIER_HOME/fingerprints``).
+    Raises ``ValueError`` for a model that cannot be found, a directory without
+    ``config.json`` or a weight file that cannot be read."""
     root, name = resolve_model_dir(model)
     if not (root / "config.json").is_file():
         raise ValueError(f"{root} is not a model directory (no config.json)")
+    cache = Path(cache_dir) if cache_dir is not None else fingerprint_cache_dir()
     h = xxhash.xxh3_128()
-    for path in sorted(p for p in root.iterdir() if p.is_file()):
+    for path in sorted(p for p in root.iterdir() if p.is_file() or (p.is_symlink() and p.suffix in _WEIGHTS)):
         if path.suffix == ".json" and not _skipped(path.name):
             _feed(h, b"json", path.name.encode(), path.read_bytes())
-        elif path.suffix == ".safetensors":
-            header = _safetensors_header(path)
-            _feed(h, b"safetensors", path.name.encode(), _size(path), header, *_ends(path, len(header)))
-        elif path.suffix in _SAMPLED:
-            _feed(h, b"sampled", path.name.encode(), _size(path), *_ends(path, 0))
+        elif path.suffix in _WEIGHTS:
+            _feed(h, b"weights", path.name.encode(), file_digest(path, cache))
     return f"{name}@{h.hexdigest()[:16]}"
+
+
+def fingerprint_cache_dir() -> Path:
+    """``$KVTIER_HOME/fingerprints`` (default ``~/.cache/kvtier/fingerprints``)."""
+    home = os.environ.get("KVTIER_HOME") or os.path.join(Path.home(), ".cache", "kvtier")
+    return Path(home) / "fingerprints"
+
+
+def file_digest(path: Path, cache: Path | None = None) -> bytes:
+    """The xxh3_128 digest of all of ``path``'s bytes (16 bytes): reused from ``cache`` while
+    the file's identity and times match what was recorded, else computed and recorded."""
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read a weight file ({exc.strerror or exc})") from None
+    ident = {"v": _DIGEST_VERSION, "path": real, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+    record = None if cache is None else cache / f"{xxhash.xxh3_64_hexdigest(real.encode())}.json"
+    if record is not None:
+        try:
+            saved = json.loads(record.read_text())
+            if isinstance(saved, dict) and {k: saved.get(k) for k in ident} == ident:
+                digest = bytes.fromhex(str(saved.get("xxh3_128", "")))
+                if len(digest) == 16:
+                    return digest
+        except (OSError, ValueError):
+            pass  # absent, unreadable or damaged: hash again
+    h = xxhash.xxh3_128()
+    try:
+        with open(real, "rb") as f:
+            while chunk := f.read(_READ):
+                h.update(chunk)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read a weight file ({exc.strerror or exc})") from None
+    digest = h.digest()
+    after = os.stat(real)
+    if record is not None and (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (
+            st.st_mtime_ns, st.st_ctime_ns, st.st_size):  # not changed while being read
+        _record(record, ident | {"xxh3_128": digest.hex()})
+    return digest
+
+
+def _record(record: Path, entry: dict[str, object]) -> None:
+    """Write ``entry`` atomically (a temporary file renamed over it); a failure only costs reuse."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(entry, f)
+            os.replace(tmp, record)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        log.info("kvtier: cannot keep a weight digest in %s (%s): it is hashed again next time",
+                 record.parent, exc.strerror or exc)
 
 
 def resolve_model_dir(model: str | os.PathLike[str]) -> tuple[Path, str]:
@@ -116,34 +189,3 @@ def _feed(h: xxhash.xxh3_128, *parts: bytes) -> None:
     for part in parts:
         h.update(struct.pack("<Q", len(part)))
         h.update(part)
-
-
-def _size(path: Path) -> bytes:
-    return struct.pack("<Q", path.stat().st_size)
-
-
-def _safetensors_header(path: Path) -> bytes:
-    """The 8-byte length and the JSON header: dtypes, shapes and offsets of every tensor."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        (length,) = struct.unpack("<Q", raw) if len(raw) == 8 else (0,)
-        if not 2 <= length <= min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: not a safetensors file (header length {length}, size {size})")
-        header = f.read(length)
-    try:
-        if not isinstance(json.loads(header), dict):
-            raise ValueError("not an object")
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{path}: damaged safetensors header ({e})") from None
-    return raw + header
-
-
-def _ends(path: Path, start: int) -> tuple[bytes, bytes]:
-    """The first and last MiB after ``start`` (all of it, once, when shorter than two MiB)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(start)
-        head = f.read(_SAMPLE)
-        f.seek(max(start + _SAMPLE, size - _SAMPLE))
-        return head, f.read(_SAMPLE)

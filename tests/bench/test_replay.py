@@ -156,6 +156,19 @@ def test_a_sweep_runs_each_policy_at_each_capacity():
     ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "line 2: 'timestamp'"),
     ('{"timestamp": 1, "input_length": 5000, "output_length": 1, "hash_ids": [1]}', "line 2: 1 hash ids"),
     ('[1, 2]', "line 2: expected a JSON object"),
+    # each of these used to pass (NaN figures, exit 0) or end in a traceback
+    ('{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "line 2: .*NaN"),
+    ('{"timestamp": Infinity, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "line 2: .*Infinity"),
+    ('{"timestamp": 1e400, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "line 2: 'timestamp'.*inf"),
+    ('{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+     "line 2: 'timestamp'.*401 digits"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 1' + "0" * 400 + ', "hash_ids": [1]}',
+     "line 2: 'output_length'.*401 digits"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 1' + "0" * 5000 + ', "hash_ids": [1]}',
+     "line 2: not a valid trace line"),
+    ('{"a": ' * 100_000 + "1" + "}" * 100_000, "line 2: JSON nested too deeply"),
+    ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1' + "0" * 60 + "]}",
+     "line 2: hash id"),
 ])
 def test_a_malformed_line_is_named_by_its_number(bad, message):
     with pytest.raises(TraceError, match=message):
@@ -205,6 +218,13 @@ def test_cli_reports_a_bad_line_and_an_unknown_policy_clearly(tmp_path):
     assert res.exit_code != 0 and "unknown policy 'mru'" in res.output
     res = CliRunner().invoke(main, ["replay", str(tmp_path / "missing.jsonl")])
     assert res.exit_code != 0 and "cannot read trace" in res.output
+    for bad in ('{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+                '[' * 100_000 + ']' * 100_000,
+                '{"timestamp": 1, "input_length": 5, "output_length": 1' + "0" * 400 + ', "hash_ids": [1]}'):
+        path.write_text(line(0, [1]) + "\n" + bad + "\n")
+        res = CliRunner().invoke(main, ["replay", str(path)])
+        assert res.exit_code not in (0, None) and "line 2" in res.output, res.output
+        assert "Traceback" not in res.output and not isinstance(res.exception, (RecursionError, OverflowError))
 
 
 def test_load_trace_reads_a_file(tmp_path):

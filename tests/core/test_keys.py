@@ -87,6 +87,8 @@ GOLDEN = "d1aa788c90ef543d8c2ec6f2b91b12e6"
         (torch.tensor([1.0, 2.0]), TypeError, "float"),
         (torch.tensor([True, False]), TypeError, "bool"),
         (np.array([True, False]), TypeError, "bool"),
+        ([True, False, True], TypeError, "bool"),  # array('q') took them as 1, 0, 1
+        ([5, np.bool_(True)], TypeError, "bool"),
         (42, TypeError, "int"),
         ([1, 2**70], ValueError, "range"),
     ],
@@ -94,6 +96,17 @@ GOLDEN = "d1aa788c90ef543d8c2ec6f2b91b12e6"
 def test_bad_tokens_raise_naming_the_problem(bad, exc, words):
     with pytest.raises(exc, match=words):
         to_token_array(bad)
+
+
+@pytest.mark.parametrize("extras, words", [
+    ([b"cat"], "mapping of chunk index to bytes"),  # was an AttributeError on .get
+    ({0: "cat"}, r"extras\[0\] must be bytes"),
+    ({"0": b"cat"}, "chunk index"),
+    ({-1: b"cat"}, "chunk index"),
+])
+def test_bad_extras_raise_naming_the_problem(extras, words):
+    with pytest.raises(TypeError, match=words):
+        chunk_tokens_of(list(range(32)), NS, 16, extras)
 
 
 def test_bad_chunk_size_and_namespace():

@@ -10,6 +10,7 @@ Sessions are not needed; kvtier's own traces name each request's session in an o
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,10 @@ from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.errors import KVTierError
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_LENGTH = 1 << 31
+"""Tokens of a request's input or output at most (a larger one is a malformed line)."""
+MAX_TIMESTAMP_MS = 1e15
+"""Arrival at most (ms; about 31,700 years): a larger or non-finite one is a malformed line."""
 
 
 class TraceError(KVTierError, ValueError):
@@ -60,11 +65,23 @@ class Trace:
         return sum(len(r.keys) for r in self.requests)
 
 
+def _shown(value: object) -> str:
+    """``value`` for an error message (a huge integer by its number of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
 def _field_int(obj: dict[str, object], name: str, where: str) -> int:
     value = obj.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TraceError(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LENGTH:
+        raise TraceError(f"{where}: {name!r} must be an integer of tokens in [0, {MAX_LENGTH}], "
+                         f"got {_shown(value)}")
     return value
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number a trace may hold")
 
 
 def parse_trace(lines: Iterable[str], name: str = "<trace>") -> Trace:
@@ -77,14 +94,20 @@ def parse_trace(lines: Iterable[str], name: str = "<trace>") -> Trace:
             continue
         where = f"{name}, line {lineno}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, parse_constant=_no_constant)  # NaN, Infinity, -Infinity
         except json.JSONDecodeError as exc:
             raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise TraceError(f"{where}: JSON nested too deeply") from None
+        except ValueError as exc:  # a constant refused, an integer of too many digits
+            raise TraceError(f"{where}: not a valid trace line ({exc})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         stamp = obj.get("timestamp")
-        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or stamp < 0:
-            raise TraceError(f"{where}: 'timestamp' must be a non-negative number of ms, got {stamp!r}")
+        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) \
+                or not (0 <= stamp <= MAX_TIMESTAMP_MS and math.isfinite(stamp)):
+            raise TraceError(f"{where}: 'timestamp' must be a finite number of ms in [0, {MAX_TIMESTAMP_MS:g}], "
+                             f"got {_shown(stamp)}")
         input_length = _field_int(obj, "input_length", where)
         output_length = _field_int(obj, "output_length", where)
         ids = obj.get("hash_ids")
@@ -95,7 +118,7 @@ def parse_trace(lines: Iterable[str], name: str = "<trace>") -> Trace:
             key = interned.get(h) if isinstance(h, int) and not isinstance(h, bool) else None
             if key is None:
                 if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < 1 << (8 * KEY_BYTES):
-                    raise TraceError(f"{where}: hash id {h!r} is not a non-negative integer")
+                    raise TraceError(f"{where}: hash id {_shown(h)} is not a non-negative integer of {8 * KEY_BYTES} bits")
                 key = interned[h] = ChunkKey(h.to_bytes(KEY_BYTES, "little"))
             keys.append(key)
         if len(keys) * MOONCAKE_BLOCK_TOKENS < input_length or (

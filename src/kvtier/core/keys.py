@@ -98,6 +98,10 @@ def to_token_array(tokens: object) -> np.ndarray:
             ) from exc
         except OverflowError as exc:
             raise ValueError(f"token id out of int64 range: {exc}") from exc
+        types = set(map(type, tokens))
+        if bool in types or np.bool_ in types:  # array('q') takes them as 1 and 0
+            bad = next(t for t in tokens if isinstance(t, (bool, np.bool_)))
+            raise TypeError(f"tokens must be integers, found {bad!r} of type {type(bad).__name__}")
     else:
         raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}")
 
@@ -141,6 +145,19 @@ def image_extras(spans: Sequence[tuple[int, int, str]], chunk_tokens: int) -> di
     return extras
 
 
+def check_extras(extras: object) -> None:
+    """``extras`` as :func:`chunk_tokens_of` takes them (a mapping of chunk index to bytes), or
+    a TypeError naming what is wrong."""
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"extras must be a mapping of chunk index to bytes (e.g. {{0: digest}}), "
+                        f"got {type(extras).__name__}")
+    for i, extra in extras.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise TypeError(f"extras: a key is a chunk index (an int >= 0), got {i!r}")
+        if not isinstance(extra, (bytes, bytearray, memoryview)):
+            raise TypeError(f"extras[{i}] must be bytes (a content hash), got {type(extra).__name__}")
+
+
 def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int,
                     extras: Mapping[int, bytes] | None = None) -> TokenChunks:
     """Cut ``tokens`` into full chunks and compute their chained keys.
@@ -152,6 +169,8 @@ def chunk_tokens_of(tokens: object, namespace: Namespace, chunk_tokens: int,
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     arr = to_token_array(tokens)
+    if extras is not None:
+        check_extras(extras)
     if sys.byteorder != "little":  # pragma: no cover - keys must not depend on the host
         arr = arr.byteswap().view(arr.dtype.newbyteorder())
     raw = memoryview(arr).cast("B")

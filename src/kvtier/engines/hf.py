@@ -287,6 +287,8 @@ class HFEngine:
 
         layout = kv_layout_for(AutoConfig.from_pretrained(model_dir), chunk_tokens)
         client = StoreClient(socket, model=model_fingerprint(model_dir), layout=layout, tenant=tenant)
+        # a model on CUDA copies KV to and from the arena: page-locked, the copies run async
+        client.pin_arena = (config or EngineConfig()).device.startswith("cuda")
         return cls(model_dir, client, config, **engine)  # type: ignore[arg-type]
 
     # -- requests -----------------------------------------------------------------------------

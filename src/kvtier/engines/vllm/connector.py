@@ -12,8 +12,9 @@ starts a store daemon and vLLM's OpenAI server wired to it. By hand::
 with a store daemon running (``kvtier store serve``; it needs no model). Both halves of the
 connector -- the scheduler's (:mod:`.scheduler`, in vLLM's engine-core process) and the
 worker's (:mod:`.worker`, next to the model) -- are clients of that daemon and name the same
-namespace in their hello: the model's fingerprint (:mod:`kvtier.model_id`; extra config
-``model_id`` overrides it), the KV layout vLLM's config implies in chunks of ``chunk_tokens``
+namespace in their hello: the model's fingerprint and what vLLM decides on top of its files
+(revision, effective HF config with ``hf_overrides``, quantization, dtype, KV cache dtype:
+:mod:`.namespace`; extra config ``model_id`` overrides it), the KV layout vLLM's config implies in chunks of ``chunk_tokens``
 (extra config, default 256, rounded up to whole vLLM blocks), and the page format (attention
 backend, dtype, block size, tensor- and pipeline-parallel shard: :mod:`.pages`). A request's
 ``cache_salt`` is chained into its keys.
@@ -35,11 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.layout import KVLayout
+from kvtier.engines.vllm.namespace import engine_model_id
 from kvtier.engines.vllm.pages import adapter_for, page_format
 from kvtier.engines.vllm.plan import KVTierMetadata
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.engines.vllm.worker import WorkerSide
-from kvtier.model_id import model_fingerprint
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ class KVTierConnector(KVConnectorBase_V1):
         chunk = int(cfg.get_from_extra_config("chunk_tokens", DEFAULT_CHUNK_TOKENS))
         chunk = -(-chunk // self.block_size) * self.block_size  # whole vLLM blocks
         self.layout = vllm_layout(vllm_config, chunk)
-        self.model_id = cfg.get_from_extra_config("model_id", None) or model_fingerprint(
-            vllm_config.model_config.model)
+        self.model_id = cfg.get_from_extra_config("model_id", None) or engine_model_id(vllm_config)
         pc = vllm_config.parallel_config
         tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)

@@ -1,0 +1,109 @@
+"""The model part of a vLLM engine's namespace: everything in vLLM's config that changes the KV
+computed for given token ids.
+
+    engine_model_id(vllm_config)  # "SmolLM2-135M-Instruct@1f0c...+e3a94b2c01d7f655"
+
+The weights' fingerprint (:func:`kvtier.model_id.model_fingerprint`: config files and every byte
+of every weight file; a hub id at the ``revision`` vLLM serves) followed by a digest of what vLLM
+itself decides on top of the files:
+
+- the *effective* Hugging Face config vLLM built (``hf_overrides`` and RoPE overrides applied;
+  the path it was read from and the transformers version that wrote it left out, so machines
+  agree), the ``quantization`` method, the model ``dtype``, the KV cache dtype, and
+  ``code_revision`` (a ``trust_remote_code`` model's code);
+- ``max_model_len`` when the config scales RoPE (a ``rope_type`` other than ``default``): some
+  scalings (LongRoPE) pick their factors from it. Without RoPE scaling it is left out, so
+  engines of one model with different context limits share chunks.
+
+Engines whose transformers versions write different config defaults get different digests:
+fewer shared chunks between them, never a wrong one.
+
+What is not in it, because it does not change KV for given ids: the tokenizer and its revision,
+the generation config, sampling, the served name. The page format (attention backend, block
+size, shard) is the namespace's own part (:mod:`.pages`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import xxhash
+
+from kvtier.model_id import model_fingerprint
+
+_NOT_KV = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
+"""Keys of a transformers config that name where and by what it was read, not the model."""
+
+
+def engine_model_id(vllm_config) -> str:  # type: ignore[no-untyped-def]
+    """``<weights' fingerprint>+<16 hex>`` for the model ``vllm_config`` serves."""
+    mc = vllm_config.model_config
+    return f"{model_fingerprint(model_reference(mc))}+{engine_digest(vllm_config)}"
+
+
+def model_reference(model_config) -> str:  # type: ignore[no-untyped-def]
+    """What :func:`model_fingerprint` reads: the directory, or the hub id at vLLM's revision."""
+    model = str(model_config.model)
+    revision = getattr(model_config, "revision", None)
+    if revision and not os.path.isdir(model) and "@" not in model:
+        return f"{model}@{revision}"
+    return model
+
+
+def engine_settings(vllm_config) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """What vLLM decides on top of the model's files that changes its KV (see the module)."""
+    mc = vllm_config.model_config
+    hf = _config_dict(getattr(mc, "hf_config", None))
+    settings: dict[str, object] = {
+        "hf_config": hf,
+        "quantization": _text(getattr(mc, "quantization", None)),
+        "dtype": _text(getattr(mc, "dtype", None)),
+        "kv_cache_dtype": _text(getattr(vllm_config.cache_config, "cache_dtype", None)),
+        "code_revision": _text(getattr(mc, "code_revision", None)),
+    }
+    if _scales_rope(hf):
+        settings["max_model_len"] = getattr(mc, "max_model_len", None)
+    return settings
+
+
+def engine_digest(vllm_config) -> str:  # type: ignore[no-untyped-def]
+    raw = json.dumps(engine_settings(vllm_config), sort_keys=True, default=_text, separators=(",", ":"))
+    return xxhash.xxh3_64_hexdigest(raw.encode())
+
+
+def _config_dict(config: object) -> dict[str, object]:
+    if config is None:
+        return {}
+    to_dict = getattr(config, "to_dict", None)
+    raw = to_dict() if callable(to_dict) else dict(vars(config))
+    return _clean(raw)  # type: ignore[return-value]
+
+
+def _clean(value: object) -> object:
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items() if k not in _NOT_KV}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _text(value)
+
+
+def _scales_rope(hf: dict[str, object]) -> bool:
+    """Whether the config scales RoPE (a ``rope_type`` other than the default), here or in a
+    nested config (a VLM's ``text_config``)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(name)
+        if isinstance(rope, dict) and rope:
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind not in (None, "default") or any(isinstance(v, dict) for v in rope.values()):
+                return True  # a scaling, or one per attention type (each may scale)
+    return any(_scales_rope(v) for v in hf.values() if isinstance(v, dict))
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+__all__ = ["engine_digest", "engine_model_id", "engine_settings", "model_reference"]

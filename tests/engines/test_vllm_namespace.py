@@ -1,0 +1,61 @@
+"""The model part of a vLLM engine's keys, from vLLM's own config of the tiny model: it changes
+with everything that changes KV (weights anywhere in a file, hf_overrides, RoPE scaling, the KV
+cache dtype) and not with what does not (the context limit of an unscaled RoPE)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import EngineArgs
+
+from kvtier.engines.vllm.namespace import engine_model_id, engine_settings, model_reference
+
+LINEAR = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "kvtier-home"))
+
+
+def config(model_dir, **kw):
+    return EngineArgs(model=str(model_dir), dtype="float32", enforce_eager=True, **kw).create_engine_config()
+
+
+def test_everything_that_changes_kv_changes_the_model_id(tiny_model_dir, tmp_path):
+    base = engine_model_id(config(tiny_model_dir))
+    assert base.startswith("kvtier-llama-tiny") and "+" in base
+    assert engine_model_id(config(tiny_model_dir)) == base  # stable
+    changed = {
+        "hf_overrides": engine_model_id(config(tiny_model_dir, hf_overrides={"rms_norm_eps": 1e-3})),
+        "rope": engine_model_id(config(tiny_model_dir, hf_overrides=LINEAR)),
+        "kv_cache_dtype": engine_model_id(config(tiny_model_dir, kv_cache_dtype="fp8")),
+    }
+    assert base not in changed.values() and len(set(changed.values())) == 3, changed
+    # the context limit changes nothing while RoPE is not scaled; with a scaling it may
+    assert engine_model_id(config(tiny_model_dir, max_model_len=64)) == base
+    assert "max_model_len" not in engine_settings(config(tiny_model_dir))
+    scaled = engine_settings(config(tiny_model_dir, hf_overrides=LINEAR, max_model_len=64))
+    assert scaled["max_model_len"] == 64
+    # a copy of the checkpoint agrees; a byte changed in the middle of its weights does not
+    copy = tmp_path / tiny_model_dir.name
+    shutil.copytree(tiny_model_dir, copy)
+    assert engine_model_id(config(copy)).split("@")[1] == base.split("@")[1]
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(data)
+    assert engine_model_id(config(copy)).split("@")[1].split("+")[0] != base.split("@")[1].split("+")[0]
+
+
+def test_a_hub_model_is_fingerprinted_at_the_revision_vllm_serves():
+    class Model:
+        model, revision = "HuggingFaceTB/SmolLM2-135M-Instruct", "v2"
+
+    assert model_reference(Model) == "HuggingFaceTB/SmolLM2-135M-Instruct@v2"
+    Model.revision = None
+    assert model_reference(Model) == "HuggingFaceTB/SmolLM2-135M-Instruct"
