@@ -58,6 +58,28 @@ def _kvtier_shm() -> set[str]:
         return set()
 
 
+def _in_use(name: str) -> bool:
+    """Whether a live process maps or holds open ``/dev/shm/<name>``."""
+    import glob
+    import os
+
+    path = f"{SHM}/{name}"
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                if path in f.read():
+                    return True
+        except OSError:
+            continue
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _shm_before.update(_kvtier_shm())
 
@@ -78,6 +100,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     deadline = time.monotonic() + 5  # daemons of the last module may still be stopping
     while (left := _kvtier_shm() - _shm_before) and time.monotonic() < deadline:
         time.sleep(0.1)
+    left = {n for n in left if not _in_use(n)}  # a concurrent session's live arenas are its own
     if left:
         where = ", ".join(f"{n} (first seen after {_shm_first_seen.get(n, '?')})" for n in sorted(left))
         print(f"\nkvtier test suite left shared memory behind in {SHM}: {where}")

@@ -217,3 +217,24 @@ def test_a_damaged_digest_record_or_an_unwritable_home_only_costs_a_hash(tmp_pat
     blocked.write_text("not a directory")
     monkeypatch.setenv("KVTIER_HOME", str(blocked))
     assert model_fingerprint(root) == before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads with /proc/self/io")
+def test_a_digest_cache_others_may_write_is_not_trusted(tmp_path):
+    """Whoever can write a digest record can give a fine-tune the base model's digest -- and
+    its KV: a cache directory others may write is not used (the weights are hashed each time)."""
+    root = write_model(tmp_path / "m")
+    big = root / "model-00002.safetensors"
+    save_file(tensors(), str(big))
+    with open(big, "r+b") as f:
+        f.truncate(64 << 20)
+    honest = model_fingerprint(root)
+    cache = tmp_path / "kvtier-home" / "fingerprints"
+    assert cache.stat().st_mode & 0o777 == 0o700
+    for record in cache.glob("*.json"):  # someone writes a digest of their choosing
+        entry = json.loads(record.read_text())
+        record.write_text(json.dumps(entry | {"xxh3_128": "00" * 16}))
+    os.chmod(cache, 0o777)
+    start = bytes_read()
+    assert model_fingerprint(root) == honest
+    assert bytes_read() - start >= 64 << 20  # hashed again, the records ignored

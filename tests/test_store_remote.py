@@ -294,3 +294,19 @@ def test_a_restarted_store_uploads_each_tenants_chunks_under_its_own_prefix(layo
         assert loaded.tokens == hit.hit_tokens  # promised is delivered
         assert_same(loaded, acme_kv, hit.hit_tokens)
         assert third.lookup(acme_tokens).hit_tokens == 0  # the shared tenant's keys differ anyway
+
+
+def test_what_the_store_remembers_of_the_remote_tier_stays_bounded_under_uploads(layout, valkey_standalone,
+                                                                              monkeypatch):
+    """Uploads add to what the store knows is remote; a write-heavy instance whose lookups hit
+    locally never probes, and used to grow that record for ever."""
+    from kvtier import remote_level
+
+    monkeypatch.setattr(remote_level, "MAX_REMOTE_KEYS", 5)
+    with store_on(layout, valkey_remote(valkey_standalone.address, unique_prefix()), host_chunks=16) as store:
+        for i in range(6):
+            store.save([10_000 * i + t for t in range(2 * C)], make_kv(layout, 2 * C, seed=i))
+        assert store.flush(10)
+        level = store.cache._remote_level
+        assert len(level._seen) <= 5 and len(level._tenants) <= 5
+        assert store.cache.remote.stats.as_dict()["writes"] >= 12  # all were uploaded

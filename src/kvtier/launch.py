@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -43,6 +44,8 @@ from typing import Self
 
 from kvtier.errors import DaemonUnavailable, KVTierError
 from kvtier.server.client import StoreClient
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ChildDied", "ServeStack", "StackConfig", "StartTimeout", "StoreSpec", "VLLMSpec",
            "dying_with_parent", "kv_transfer_config", "refuse_owned_flags"]
@@ -352,8 +355,22 @@ class ServeStack:
         for child in (self.vllm, self.daemon):
             if child is not None:
                 child.stop(self.config.grace_s)
+        if self.daemon is not None and self.socket is not None:
+            self._remove_dead_arena(self.socket)
         while self._tmp:
             shutil.rmtree(self._tmp.pop(), ignore_errors=True)
+
+    @staticmethod
+    def _remove_dead_arena(socket_path: str) -> None:
+        """A daemon that was killed (SIGKILL, the OOM killer) leaves its arena in /dev/shm, its
+        RAM held until reboot: claim its socket -- only possible once it is gone -- which
+        removes the arena its lock file records, and let go."""
+        from kvtier.server.runtime import SocketClaim
+
+        try:
+            SocketClaim(socket_path).release()
+        except (ValueError, OSError) as exc:  # another daemon took the socket meanwhile: its own
+            log.info("kvtier: left %s's arena in place (%s)", socket_path, exc)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -12,9 +12,12 @@ excluded), and every weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pt
 in a single byte anywhere in one weight file (a fine-tune of the same shapes) never share KV.
 
 Reading every weight is paid once per file and machine: each file's digest is kept in
-``$KVTIER_HOME/fingerprints/`` (default ``~/.cache/kvtier``), one small JSON each, under the
-file's real path, device, inode, size, modification time and change time (``st_ctime_ns``), and
-reused while all of them match (a vLLM scheduler and its workers, every restart). xxh3 hashes
+``$KVTIER_HOME/fingerprints/`` (default ``~/.cache/kvtier``; made ``0700``, and not used when
+it is another user's or others may write it), one small JSON each, under the file's real path,
+device, inode, size, modification time and change time (``st_ctime_ns``), and reused while all
+of them match (every restart). Processes that start together (a vLLM scheduler and its
+workers) take turns on a lock per file, so one reads the weights and the others reuse its
+digest. xxh3 hashes
 far faster than a disk reads, so the first start costs about one read of the weights, which the
 engine is about to do anyway (and then finds them in the page cache).
 
@@ -34,10 +37,12 @@ point into ``blobs/``). Nothing here touches the network or imports transformers
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -86,7 +91,9 @@ def fingerprint_cache_dir() -> Path:
 
 def file_digest(path: Path, cache: Path | None = None) -> bytes:
     """The xxh3_128 digest of all of ``path``'s bytes (16 bytes): reused from ``cache`` while
-    the file's identity and times match what was recorded, else computed and recorded."""
+    the file's identity and times match what was recorded, else computed and recorded. Only a
+    cache directory of this user that nobody else may write is used; processes hashing the same
+    file at once (a scheduler and its workers) take turns on a lock, so one of them reads it."""
     try:
         real = os.path.realpath(path)
         st = os.stat(real)
@@ -94,16 +101,25 @@ def file_digest(path: Path, cache: Path | None = None) -> bytes:
         raise ValueError(f"{path}: cannot read a weight file ({exc.strerror or exc})") from None
     ident = {"v": _DIGEST_VERSION, "path": real, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
              "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
-    record = None if cache is None else cache / f"{xxhash.xxh3_64_hexdigest(real.encode())}.json"
-    if record is not None:
-        try:
-            saved = json.loads(record.read_text())
-            if isinstance(saved, dict) and {k: saved.get(k) for k in ident} == ident:
-                digest = bytes.fromhex(str(saved.get("xxh3_128", "")))
-                if len(digest) == 16:
-                    return digest
-        except (OSError, ValueError):
-            pass  # absent, unreadable or damaged: hash again
+    cache = _private_dir(cache) if cache is not None else None
+    if cache is None:
+        return _hash_file(path, real)
+    record = cache / f"{xxhash.xxh3_64_hexdigest(real.encode())}.json"
+    lock = _lock(record.with_suffix(".lock"))
+    try:
+        digest = _recorded(record, ident)
+        if digest is None:
+            digest = _hash_file(path, real)
+            after = os.stat(real)
+            if (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (st.st_mtime_ns, st.st_ctime_ns, st.st_size):
+                _record(record, ident | {"xxh3_128": digest.hex()})  # not changed while being read
+        return digest
+    finally:
+        if lock is not None:
+            os.close(lock)  # and with it the flock
+
+
+def _hash_file(path: Path, real: str) -> bytes:
     h = xxhash.xxh3_128()
     try:
         with open(real, "rb") as f:
@@ -111,18 +127,77 @@ def file_digest(path: Path, cache: Path | None = None) -> bytes:
                 h.update(chunk)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read a weight file ({exc.strerror or exc})") from None
-    digest = h.digest()
-    after = os.stat(real)
-    if record is not None and (after.st_mtime_ns, after.st_ctime_ns, after.st_size) == (
-            st.st_mtime_ns, st.st_ctime_ns, st.st_size):  # not changed while being read
-        _record(record, ident | {"xxh3_128": digest.hex()})
-    return digest
+    return h.digest()
+
+
+def _private_dir(cache: Path) -> Path | None:
+    """``cache``, made (``0700``) if absent, when it is a directory of this user that no one
+    else may write; else None (digests are then not reused: a record another user could write
+    would let them give one checkpoint another's digest, and so its KV)."""
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(cache)
+    except OSError as exc:
+        _warn_once(f"cannot use {cache} for weight digests ({exc.strerror or exc}): weights are hashed each time")
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        _warn_once(f"{cache} is not a directory of this user that only it may write: weight digests are "
+                   "not reused from it (hashed each time)")
+        return None
+    return cache
+
+
+def _recorded(record: Path, ident: dict[str, object]) -> bytes | None:
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return None
+        with os.fdopen(fd, "r") as f:
+            fd = -1
+            saved = json.loads(f.read())
+    except (OSError, ValueError):
+        return None  # unreadable or damaged: hash again
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if not isinstance(saved, dict) or {k: saved.get(k) for k in ident} != ident:
+        return None
+    try:
+        digest = bytes.fromhex(str(saved.get("xxh3_128", "")))
+    except ValueError:
+        return None
+    return digest if len(digest) == 16 else None
+
+
+def _lock(path: Path) -> int | None:
+    """An exclusive flock on ``path`` (its fd; closing it lets go), or None if it cannot be had."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("kvtier: %s", message)
 
 
 def _record(record: Path, entry: dict[str, object]) -> None:
     """Write ``entry`` atomically (a temporary file renamed over it); a failure only costs reuse."""
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "w") as f:

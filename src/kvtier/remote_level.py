@@ -106,11 +106,17 @@ class RemoteLevel:
                 self._absent.move_to_end(gone)
                 while len(self._absent) > MAX_ABSENT:
                     self._absent.popitem(last=False)
-            while len(seen) > MAX_REMOTE_KEYS:  # hints only: the oldest are asked for again
-                old, _ = seen.popitem(last=False)
-                self._tenants.pop(old, None)
-                if self.index.holds(old, level):
-                    self.unlist(old)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Forget the oldest remote chunks past :data:`MAX_REMOTE_KEYS` (hints only: they are
+        asked for again). Under the lock."""
+        seen, level = self._seen, self.level
+        while len(seen) > MAX_REMOTE_KEYS:
+            old, _ = seen.popitem(last=False)
+            self._tenants.pop(old, None)
+            if self.index.holds(old, level):
+                self.unlist(old)
 
     def unlist(self, key: ChunkKey) -> None:
         """Drop ``key`` from the index at this level (not a loss: it is just not known there).
@@ -131,6 +137,7 @@ class RemoteLevel:
             with self._lock:
                 self.placement.added(key, self.level)
                 self._seen_now(key, tenant, time.monotonic())
+                self._trim()  # a write-heavy instance whose lookups never reach the remote tier
 
     def upload_from_dram(self, key: ChunkKey, host: HostTier, mover: TierMover) -> None:
         """Queue a saved chunk for the remote tier straight from its DRAM slot, pinned until the

@@ -153,7 +153,10 @@ MAX_WAITING = 65536
 @dataclass(frozen=True)
 class StoreConfig:
     model: str
-    """Fingerprint of the model's weights (name and revision); part of every key."""
+    """The model's id, part of every key: anything that changes its KV must change it --
+    :func:`kvtier.model_id.model_fingerprint` of its directory (config files and every byte of
+    its weights), plus whatever the engine decides on top (see
+    :mod:`kvtier.engines.vllm.namespace`)."""
     layout: KVLayout
     host: HostTierConfig
     disk: DiskTierConfig | None = None

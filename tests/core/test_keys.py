@@ -114,6 +114,11 @@ def test_bad_chunk_size_and_namespace():
         chunk_tokens_of([1, 2], NS, 0)
     with pytest.raises(ValueError, match="model"):
         Namespace("", "abcd")
+    # a tenant is stored with each of its chunks (SSD header): one too long for it is refused
+    # up front, not found out when a demotion to SSD fails
+    Namespace("m", "abcd", "é" * 256)
+    with pytest.raises(ValueError, match="at most 512 bytes"):
+        Namespace("m", "abcd", "é" * 257)
 
 
 @settings(max_examples=50, deadline=None)

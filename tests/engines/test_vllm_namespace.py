@@ -30,6 +30,11 @@ def test_everything_that_changes_kv_changes_the_model_id(tiny_model_dir, tmp_pat
     base = engine_model_id(config(tiny_model_dir))
     assert base.startswith("kvtier-llama-tiny") and "+" in base
     assert engine_model_id(config(tiny_model_dir)) == base  # stable
+    # a worker builds its connector after loading the model, and loading may change hf_config
+    # in place (in that worker's copy only): the id is made of vLLM's inputs, so it agrees
+    loaded = config(tiny_model_dir)
+    loaded.model_config.hf_config.num_ln_in_parallel_attn = 2
+    assert engine_model_id(loaded) == base
     changed = {
         "hf_overrides": engine_model_id(config(tiny_model_dir, hf_overrides={"rms_norm_eps": 1e-3})),
         "rope": engine_model_id(config(tiny_model_dir, hf_overrides=LINEAR)),

@@ -87,6 +87,38 @@ def test_lookups_to_a_stopped_daemon_cost_a_bounded_wait_then_miss(tmp_path):
         daemon.stop()
 
 
+def test_a_step_waits_for_its_lookups_at_most_one_bound_however_many_requests_wait(tmp_path):
+    """A daemon that answers each lookup in 15 ms -- slow, never stalled: under the 20 ms wait,
+    each request's wait alone is within its bound, but eight new requests in one step must not
+    cost eight of them."""
+    daemon = Daemon(tmp_path, host_chunks=16).start()
+    c, hints = client(daemon), client(daemon)
+    real = c.lookup_keys
+
+    def slow(*args, **kw):  # the fault: a slow daemon
+        time.sleep(0.015)
+        return real(*args, **kw)
+
+    c.lookup_keys = slow
+    sched = SchedulerSide(c, hints, BLOCK, wait_s=0.02, lookup_deadline_s=2.0)
+    try:
+        history = list(range(3 * CHUNK + 1))
+        for step in range(3):
+            began = time.monotonic()
+            for i in range(8):
+                sched.get_num_new_matched_tokens(request(f"s{step}-{i}", history), 0)
+            took = time.monotonic() - began
+            assert took < 0.06, f"step {step}: eight lookups waited {took:.3f} s in all (the bound is 0.02)"
+            sched.build_connector_meta(SimpleNamespace(preempted_req_ids=(), scheduled_new_reqs=(),
+                                                       scheduled_cached_reqs=SimpleNamespace(req_ids=()),
+                                                       num_scheduled_tokens={}, finished_req_ids=()))
+    finally:
+        sched.close()
+        c.close()
+        hints.close()
+        daemon.stop()
+
+
 def _worker(daemon: Daemon, **kw) -> WorkerSide:
     c, bg = client(daemon), client(daemon)
     w = WorkerSide(c, bg, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), **kw)
@@ -160,6 +192,8 @@ def test_vllm_keeps_decoding_through_a_daemon_stop(tmp_path):
     from kvtier.bench.stall import StallConfig, run_stall
 
     res = run_stall(StallConfig(stop_s=3.0, stop_at_s=1.0, decode_tokens=2500, arrivals=2))
-    assert res.steps_during_stop > 100 and res.tokens_during_stop > 100
-    assert res.longest_step_during_stop_s < 1.0, res.as_dict()
+    # decoding went on (a loaded 2-core machine still makes dozens of steps in 3 s; waiting on
+    # the daemon made one step of the whole stop), and no step came near the stop's length
+    assert res.steps_during_stop >= 10 and res.tokens_during_stop >= 20, res.as_dict()
+    assert res.longest_step_during_stop_s < res.stop_s / 3, res.as_dict()
     assert res.hit_tokens_after > 0

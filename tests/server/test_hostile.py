@@ -227,6 +227,49 @@ def test_an_orphaned_write_slot_is_quarantined_never_reused_while_its_writer_liv
         daemon.stop()
 
 
+FORGET_AS = """
+import socket, sys
+from kvtier.server import protocol
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+protocol.send(s, {"op": "hello", "version": protocol.VERSION, "client": bytes.fromhex(sys.argv[2])})
+assert protocol.recv(s)["ok"]
+protocol.send(s, {"op": "forget", "leases": [int(sys.argv[3])]})
+print(protocol.recv(s)["freed"])
+"""
+
+
+def test_only_the_process_that_held_an_orphan_can_free_it_and_a_repeated_lease_id_leaks_nothing(tmp_path):
+    """A client id is the client's own choice: another process naming it (and the lease id)
+    frees nothing -- it would let a late write of the real holder land in another chunk. A
+    client that names one lease id on two connections gets two orphans, both freed later."""
+    import subprocess
+    import sys
+
+    daemon = Daemon(tmp_path, host_chunks=6, write_through=False).start()
+    w = daemon.client(retry_s=0.0)
+    try:
+        for round_ in range(2):  # the same client id and lease id twice, each connection dropped
+            conn = w._link.connect()
+            reply = w._link.exchange(conn, {"op": "reserve", "lease": 5, "keys": [bytes([round_]) * 16]})
+            assert reply["ok"] and reply["slots"][0] >= 0
+            w._link.drop(conn)
+        wait_until(lambda: daemon.stats()["orphaned_writes"] == 2)
+        assert daemon.stats()["tiers"]["host"]["reserved"] == 2
+        out = subprocess.run([sys.executable, "-c", FORGET_AS, str(daemon.socket), w._id.hex(), "5"],
+                             capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
+        assert out.stdout.strip() == "0"  # another process: nothing freed
+        assert daemon.stats()["orphaned_writes"] == 2
+        conn = w._link.connect()
+        assert w._link.exchange(conn, {"op": "forget", "leases": [5]})["freed"] == 2  # its holder: both
+        s = daemon.stats()
+        assert s["orphaned_writes"] == 0 and s["tiers"]["host"]["reserved"] == 0
+        assert w.lookup(list(range(C))).hit_tokens == 0  # served as ever
+    finally:
+        w.close()
+        daemon.stop()
+
+
 # -- connections ----------------------------------------------------------------------------------
 def _hello(path: Path) -> tuple[socket.socket, dict | None]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -404,8 +447,45 @@ def test_torch_is_not_asked_for_cuda_by_a_client_that_maps_no_arena(tmp_path, mo
         assert c.lookup(list(range(C))).hit_tokens == 0 and c.errors == 0
         with pytest.raises(ValueError, match="maps no arena"):
             c._link.connect().mapped()
+        w = daemon.client()
+        assert w.save(list(range(C)), make_kv(LAYOUT, C)).stored == 1
+        for call in (c.acquire, c.reserve):  # refused before the daemon grants anything
+            with pytest.raises(ValueError, match="maps no arena"):
+                call(c.keys_for(list(range(C))))
+        assert daemon.stats()["pinned_chunks"] == 0 and daemon.stats()["leased_pins"] == 0
+        w.close()
         maps = Path(f"/proc/{os.getpid()}/maps").read_text()
         assert daemon.stats()["arena"] not in maps and calls == []
         c.close()
     finally:
         daemon.stop()
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_dropped_after_the_whole_message_limit():
+    """The daemon gives a request READ_TIMEOUT_S from its first byte to arrive whole; a fresh
+    timeout for every read let a client hold a worker thread for ever by sending a byte now and
+    then."""
+    import threading
+
+    a, b = socket.socketpair()
+    a.settimeout(5.0)
+    data = protocol.HEADER.pack(64) + b"x" * 64
+
+    def trickle() -> None:
+        try:
+            for byte in data:
+                b.send(bytes([byte]))
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        protocol.recv(a, within_s=0.5)  # each byte comes well within a read timeout of 5 s
+    assert time.monotonic() - began < 1.5
+    assert a.gettimeout() == 5.0  # the socket's own timeout is back
+    a.close()
+    b.close()
+    sender.join()

@@ -308,3 +308,16 @@ def test_a_damaged_tenant_field_is_a_miss_and_long_tenants_are_refused(tmp_path)
         with pytest.raises(ValueError, match="tenant name is at most 512 bytes"):
             tier.put(key(2), data(2), SEGMENT, tenant="x" * 513)
         assert not tier.contains(key(2))
+
+
+@pytest.mark.parametrize("segments, tenant", [(600, ""), (460, "t" * 512)])
+def test_a_header_longer_than_a_page_survives_a_reopen(tmp_path, segments, tenant):
+    """8 bytes of checksum a segment: a chunk of many layers (or a long tenant name) has a
+    header past the first page, which reopening used to call damage and delete."""
+    payload = torch.arange(segments * 64, dtype=torch.int32).view(torch.uint8)[: segments * 256].clone()
+    with open_tier(tmp_path) as tier:
+        assert tier.put(key(1), payload, 256, tenant=tenant)
+        assert header_len_for(segments, tenant_bytes=len(tenant)) > 4096
+    with open_tier(tmp_path) as tier:
+        assert tier.contains(key(1)) and tier.stats.corrupt == 0
+        assert torch.equal(tier.get(key(1)), payload) and tier.tenant_of(key(1)) == tenant

@@ -40,6 +40,10 @@ ROOT_KEY = ChunkKey(bytes(KEY_BYTES))
 _TOKEN_DTYPE = np.dtype("<i8")
 
 
+MAX_TENANT_BYTES = 512
+"""A tenant name's UTF-8 length at most (it is stored with each of its chunks)."""
+
+
 @dataclass(frozen=True)
 class Namespace:
     """What, besides the tokens, determines a chunk's KV bytes.
@@ -61,6 +65,9 @@ class Namespace:
             raise ValueError("Namespace.model must not be empty")
         if not self.layout:
             raise ValueError("Namespace.layout must not be empty")
+        if len(self.tenant.encode()) > MAX_TENANT_BYTES:  # SSD headers and remote prefixes carry it
+            raise ValueError(f"a tenant name is at most {MAX_TENANT_BYTES} bytes of UTF-8, "
+                             f"got {len(self.tenant.encode())}")
         # Length-prefixed fields: ("ab", "c") and ("a", "bc") must not collide.
         h = xxhash.xxh3_128(b"kvtier-ns-v1")
         for part in (self.model, self.layout, self.tenant):

@@ -169,6 +169,10 @@ class StoreClient:
         with self._link.lock:
             self._link.set_pin(bool(value))
 
+    def _can_map(self) -> None:
+        if not self._link.map_arena:
+            raise ValueError("this StoreClient maps no arena (map_arena=False): it cannot read or write chunks")
+
     def _sizes(self, n: int, tail_tokens: int) -> list[int]:
         """The bytes of each of ``n`` chunks of a request whose last is a partial chunk of
         ``tail_tokens`` tokens (0: all full)."""
@@ -227,6 +231,7 @@ class StoreClient:
         size: :meth:`KVLayout.part_bytes`)."""
         if not keys:
             return None
+        self._can_map()  # before the daemon grants anything
         sizes = self._sizes(len(keys), tail_tokens)
         lease_id = next(self._leases)
         try:
@@ -294,6 +299,7 @@ class StoreClient:
         every tier. Fill the views -- all of each -- then :meth:`commit` (or :meth:`abandon`)."""
         if not keys:
             return None
+        self._can_map()  # before the daemon grants anything
         sizes = self._sizes(len(keys), tail_tokens)
         lease_id = next(self._leases)
         try:

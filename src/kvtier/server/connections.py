@@ -19,7 +19,6 @@ sends half a message and stalls is dropped, its leases ended as on any disconnec
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import queue
@@ -161,11 +160,11 @@ class Connections(Generic[S]):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("kvtier daemon: cannot accept a connection: %s", exc)
-                    time.sleep(0.05)  # the backlog waits; accepting again at once would spin
-                    return
-                raise
+                # out of fds or memory, or a connection that failed while queued (ECONNABORTED,
+                # EPROTO...): the loop goes on serving the others, never ends the daemon
+                log.warning("kvtier daemon: cannot accept a connection: %s", exc)
+                time.sleep(0.05)  # the backlog waits; accepting again at once would spin
+                return
             sock.setblocking(True)
             session = self._accepted(sock)
             if session is None:
@@ -252,7 +251,7 @@ class Connections(Generic[S]):
         try:
             while True:
                 try:
-                    request = protocol.recv(sock)
+                    request = protocol.recv(sock, READ_TIMEOUT_S)  # whole, however slowly it trickles
                 except (protocol.ProtocolError, OSError) as exc:
                     if not self._stopping:
                         log.warning("dropping a client: %s", exc)

@@ -78,6 +78,11 @@ class _Session:
         """Changed only by :class:`~kvtier.server.leases.Leases`, under its lock."""
         self._bound: dict[str, Namespace] = {}
 
+    @property
+    def owner(self) -> tuple[int, int]:
+        """(pid, uid) at the other end: who may later say it stopped writing this one's leases."""
+        return self.peer.pid, self.peer.uid
+
     def namespace(self, tenant: str) -> Namespace:
         ns = self._bound.get(tenant)
         if ns is None:
@@ -209,13 +214,13 @@ class StoreDaemon:
             reply = {"ok": False, "lost": True, "error": f"{op}: {exc}"}
         except (ValueError, TypeError, KeyError) as exc:
             reply = {"ok": False, "error": f"{op}: {exc}"}
-        self.observe(str(op), time.perf_counter() - start)
+        self.observe(str(op) if handler is not None else "unknown", time.perf_counter() - start)  # bounded labels
         return reply
 
     def _ended(self, session: _Session) -> None:
         """The connection is gone: its read leases end now, its write leases are orphaned
         until nothing can still write their slots (:mod:`kvtier.server.leases`)."""
-        pins, orphaned = self.leases.end(session.leases, session.watch)
+        pins, orphaned = self.leases.end(session.leases, session.watch, session.owner)
         if pins or orphaned:
             log.info("client (pid %d) gone: released %d pins, orphaned %d reservations",
                      session.peer.pid, pins, orphaned)

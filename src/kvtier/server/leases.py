@@ -6,7 +6,9 @@ connection: every operation on it (``release``, ``commit``) must come on that co
 one that names a lease the daemon has ended is refused (the client treats the lease as lost).
 
 Every lease has a time to live (``lease_ttl_s``), on a live connection too: a holder that never
-ends its lease cannot pin DRAM for good.
+ends a read lease cannot pin DRAM for good. A write lease's slots stay reserved while its
+holder lives and has not ended it (below): a client that may use the daemon can hold DRAM that
+way (up to the arena), as it could by saving; confine uids with ``[access.tenants]``.
 
 - a **read lease** past its TTL is ended at once: its pins are released and its slots may be
   reused. Its holder's ``release`` is then refused (lost), and a client trusts what it read
@@ -78,6 +80,10 @@ class Lease:
     """A write lease past its TTL: refused at commit; its slots reserved until then."""
 
 
+Owner = tuple[int, int]
+"""Who held a lease: the (pid, uid) at the other end of its connection (pid 0: not visible)."""
+
+
 @dataclass(slots=True)
 class _Orphan:
     lease: Lease
@@ -95,8 +101,10 @@ class Leases:
         self.ttl_s = ttl_s
         self.report_after_s = report_after_s
         self._lock = threading.Lock()
-        self._orphans: dict[tuple[bytes, int], _Orphan] = {}
-        self._forgotten: dict[tuple[bytes, int], float] = {}
+        self._orphans: dict[tuple[bytes, int, Owner], list[_Orphan]] = {}
+        """By (client id, lease id, owner): a list, since nothing stops a client from naming a
+        lease id again after its connection ended (each orphan is kept, none overwritten)."""
+        self._forgotten: dict[tuple[bytes, int, Owner], float] = {}
         """Leases a client said it ended before their connection's end reached the daemon (a
         thread still busy on the old connection): freed at once when it does."""
         self.orphans_freed = 0
@@ -132,9 +140,9 @@ class Leases:
             raise LeaseEnded(f"lease {lease_id} expired after {self.ttl_s:g} s; nothing of it is stored")
         return lease
 
-    def end(self, held: dict[int, Lease], watch: ProcessWatch) -> tuple[int, int]:
-        """The connection is gone: release its read leases, orphan its write leases. Returns
-        (pins released, reservations orphaned)."""
+    def end(self, held: dict[int, Lease], watch: ProcessWatch, owner: Owner = (0, -1)) -> tuple[int, int]:
+        """The connection (of ``owner``) is gone: release its read leases, orphan its write
+        leases. Returns (pins released, reservations orphaned)."""
         pins = orphaned = 0
         now = time.monotonic()
         freed: list[Lease] = []
@@ -145,10 +153,11 @@ class Leases:
                 if not lease.write:
                     pins += len(lease.keys)
                 elif lease.writes:
-                    if self._forgotten.pop((lease.client, lease.id), None) is not None:
+                    if self._forgotten.pop((lease.client, lease.id, owner), None) is not None:
                         freed.append(lease)  # the client already said it stopped writing them
                     else:
-                        self._orphans[(lease.client, lease.id)] = _Orphan(lease, watch, now)
+                        self._orphans.setdefault((lease.client, lease.id, owner), []).append(
+                            _Orphan(lease, watch, now))
                         orphaned += len(lease.writes)
         for lease in leases:
             if not lease.write:
@@ -183,19 +192,21 @@ class Leases:
             self.cache.release(lease.keys)
 
     # -- orphans ------------------------------------------------------------------------------
-    def forget(self, client: bytes, ids: Iterable[int]) -> int:
+    def forget(self, client: bytes, ids: Iterable[int], owner: Owner = (0, -1)) -> int:
         """The client has ended these leases (its caller no longer touches their views): free
-        their slots. Returns how many reservations were freed."""
+        their slots. Only the process that held a lease may say so (``owner``: the same pid and
+        uid as the lease's connection): a client id is the client's own choice, so another
+        process naming it frees nothing. Returns how many reservations were freed."""
         freed = 0
         now = time.monotonic()
         for lease_id in ids:
             with self._lock:
-                orphan = self._orphans.pop((client, lease_id), None)
-                if orphan is None:  # its connection's end may not have reached us yet
-                    self._forgotten[(client, lease_id)] = now + FORGOTTEN_S
+                orphans = self._orphans.pop((client, lease_id, owner), None)
+                if orphans is None:  # its connection's end may not have reached us yet
+                    self._forgotten[(client, lease_id, owner)] = now + FORGOTTEN_S
                     while len(self._forgotten) > MAX_FORGOTTEN:
                         self._forgotten.pop(next(iter(self._forgotten)))
-            if orphan is not None:
+            for orphan in orphans or ():
                 freed += self._free(orphan)
                 self.orphans_freed += 1
         return freed
@@ -204,11 +215,23 @@ class Leases:
         """Free the orphans whose client process exited; report those quarantined long."""
         now = time.monotonic()
         with self._lock:
-            exited = {id(o.watch): o.watch.exited() for o in self._orphans.values()}
-            done = [(k, o) for k, o in self._orphans.items() if exited[id(o.watch)]]
-            for k, _ in done:
-                del self._orphans[k]
-            late = [o for o in self._orphans.values() if not o.reported and now - o.since >= self.report_after_s]
+            exited: dict[int, bool] = {}
+            for o in self._all():
+                if id(o.watch) not in exited:
+                    try:
+                        exited[id(o.watch)] = o.watch.exited()
+                    except (OSError, ValueError):  # one bad watch must not stop the others' reaping
+                        log.exception("watching a client process failed")
+                        exited[id(o.watch)] = False
+            done = []
+            for k in list(self._orphans):
+                keep = [o for o in self._orphans[k] if not exited[id(o.watch)]]
+                done += [o for o in self._orphans[k] if exited[id(o.watch)]]
+                if keep:
+                    self._orphans[k] = keep
+                else:
+                    del self._orphans[k]
+            late = [o for o in self._all() if not o.reported and now - o.since >= self.report_after_s]
             for o in late:
                 o.reported = True
             for k in [k for k, t in self._forgotten.items() if t <= now]:
@@ -217,7 +240,7 @@ class Leases:
             log.warning("%d DRAM slots of lease %d stay quarantined: their client (%s) neither said it "
                         "stopped writing them nor exited in %.0f s", len(o.lease.writes), o.lease.id,
                         "watched" if o.watch.known else "its process cannot be watched", now - o.since)
-        for _, orphan in done:
+        for orphan in done:
             self.orphans_freed += 1
             self._free(orphan)
 
@@ -231,7 +254,7 @@ class Leases:
     def _free(self, orphan: _Orphan) -> int:
         n = self._abandon(orphan.lease)
         with self._lock:
-            still = any(o.watch is orphan.watch for o in self._orphans.values())
+            still = any(o.watch is orphan.watch for o in self._all())
         if not still:
             orphan.watch.close()
         return n
@@ -239,13 +262,17 @@ class Leases:
     def orphaned(self) -> int:
         """DRAM reservations held by orphaned leases now."""
         with self._lock:
-            return sum(len(o.lease.writes) for o in self._orphans.values())
+            return sum(len(o.lease.writes) for o in self._all())
+
+    def _all(self) -> list[_Orphan]:
+        """Every orphan (under the lock)."""
+        return [o for group in self._orphans.values() for o in group]
 
     def quarantined(self) -> int:
         """DRAM reservations of orphans older than ``report_after_s`` (reported as leaked)."""
         now = time.monotonic()
         with self._lock:
-            return sum(len(o.lease.writes) for o in self._orphans.values() if now - o.since >= self.report_after_s)
+            return sum(len(o.lease.writes) for o in self._all() if now - o.since >= self.report_after_s)
 
     def counts(self, sessions: Iterable[dict[int, Lease]]) -> tuple[int, int]:
         """(DRAM pins held by read leases, DRAM reservations held by write leases) now."""
@@ -256,7 +283,7 @@ class Leases:
 
     def close(self) -> None:
         with self._lock:
-            orphans = list(self._orphans.values())
+            orphans = self._all()
             self._orphans.clear()
         for orphan in orphans:
             self._free(orphan)

@@ -214,7 +214,7 @@ def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     lost = protocol.integer(req, "lost_chunks", 0, protocol.MAX_KEYS * 64, default=0)
     assert daemon.cache is not None
     daemon.cache.count(engine_load_failures=lost)  # what the client threw away, lost leases
-    return {"ok": True, "freed": daemon.leases.forget(session.client, ids)}
+    return {"ok": True, "freed": daemon.leases.forget(session.client, ids, session.owner)}
 
 def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)

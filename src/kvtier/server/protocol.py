@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 import msgpack
@@ -50,9 +51,14 @@ def send(sock: socket.socket, message: dict[str, object]) -> None:
     sock.sendall(HEADER.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:  # the whole message by then, however slowly its bytes come
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the message did not arrive whole in time")
+            sock.settimeout(left)
         part = sock.recv(n - len(buf))
         if not part:
             return None
@@ -60,15 +66,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> dict[str, object] | None:
-    """The next message, or None when the peer closed the connection."""
-    head = _recv_exact(sock, HEADER.size)
-    if head is None:
-        return None
-    (size,) = HEADER.unpack(head)
-    if size > MAX_MESSAGE:
-        raise ProtocolError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE}")
-    body = _recv_exact(sock, size)
+def recv(sock: socket.socket, within_s: float | None = None) -> dict[str, object] | None:
+    """The next message, or None when the peer closed the connection. ``within_s``: the whole
+    message must arrive within that many seconds (TimeoutError otherwise), not each read of it;
+    the socket's own timeout is restored after."""
+    deadline = None if within_s is None else time.monotonic() + within_s
+    before = sock.gettimeout() if deadline is not None else None
+    try:
+        head = _recv_exact(sock, HEADER.size, deadline)
+        if head is None:
+            return None
+        (size,) = HEADER.unpack(head)
+        if size > MAX_MESSAGE:
+            raise ProtocolError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE}")
+        body = _recv_exact(sock, size, deadline)
+    finally:
+        if deadline is not None:
+            sock.settimeout(before)
     if body is None:
         return None
     try:

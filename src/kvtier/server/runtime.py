@@ -196,8 +196,9 @@ class ProcessWatch:
     def exited(self) -> bool:
         if self._fd is None:
             return False
-        ready, _, _ = select.select([self._fd], [], [], 0)
-        return bool(ready)
+        poller = select.poll()  # select() refuses an fd >= 1024, which a busy daemon reaches
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         if self._fd is not None:

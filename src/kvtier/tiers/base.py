@@ -271,10 +271,10 @@ class Tier(ABC):
         few victims."""
 
     def oldest(self, n: int) -> list[ChunkKey]:
-        """At most ``n`` committed keys, oldest first (the first ``n`` of :meth:`keys`), found
-        without reading the whole index: a remote tier asks its server one bounded query. For
-        making room a few entries at a time. Default: ``keys()[:n]`` (a local tier's index is
-        in memory)."""
+        """At most ``n`` committed keys, oldest first (the first ``n`` of :meth:`keys`). For
+        making room a few entries at a time: a remote tier asks its server one bounded query
+        (Valkey) or reads its own list (Mooncake), never the server's whole index. Default:
+        ``keys()[:n]``, a copy of the in-memory index (local tiers)."""
         return self.keys()[:n] if self._check_limit(n) else []
 
     def _check_limit(self, n: object) -> int:

@@ -58,7 +58,7 @@ import torch
 import xxhash
 
 from kvtier.core.codec_choice import DEFAULT_MAX_KL, choose_codec, figures_from
-from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.keys import KEY_BYTES, MAX_TENANT_BYTES, ChunkKey
 from kvtier.tiers.base import (
     PAGE,
     EntryExistsError,
@@ -80,7 +80,8 @@ _FIXED_V1 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQ")
 _FIXED = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQI")
 _FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBI")
 _FIXED_V4 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBIH")
-MAX_TENANT_BYTES = 512
+MAX_HEADER_BYTES = 16 << 20
+"""A header read on reopen at most (its checksums: 8 bytes a segment)."""
 """A tenant's name in a header at most (the daemon's own limit on names)."""
 _NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
@@ -465,10 +466,10 @@ class DiskTier(Tier):
                 log.warning("disk: skipping %s: not a regular file", path)
                 return None
             raw = os.pread(fd, PAGE, 0)
+            hlen = struct.unpack_from("<I", raw, 8)[0] if len(raw) >= 12 else 0
+            if PAGE < hlen <= min(st.st_size, MAX_HEADER_BYTES):  # a header of many segments
+                raw += os.pread(fd, hlen - PAGE, PAGE)
             key, entry, seq = _decode_header(raw)
-            if entry.header_len > PAGE:
-                raw += os.pread(fd, entry.header_len - PAGE, PAGE)
-                key, entry, seq = _decode_header(raw)
             if name != key.hex() + _SUFFIX:
                 raise ValueError("file name does not match its key")
             if st.st_size != entry.file_bytes:

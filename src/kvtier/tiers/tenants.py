@@ -7,11 +7,14 @@ for the empty tenant -- so that Valkey ACLs can confine an instance to its tenan
 ``capacity_bytes`` budget.
 
 Which tenant a key belongs to: writes name it (``put_many(..., tenants=)``, or the tier of one
-tenant, :meth:`TenantTiers.for_tenant`) -- the store takes it from the entry itself, which
-records its tenant in DRAM, in its SSD file's header and in its remote object's header, so an
-eviction or an upload after a restart never depends on a map held in memory. Reads and lookups
-ask ``tenant_of(key)``, which the store answers with the tenant of the request being served
-(its keys are bound to that tenant), else the tenant recorded with the entry.
+tenant, :meth:`TenantTiers.for_tenant`, which the store's uploader uses) -- the store takes it
+from the entry itself, which records its tenant in DRAM and in its SSD file's header, and whose
+remote object lies under its tenant's prefix, so an eviction or an upload after a restart never
+depends on a map held in memory. Reads and lookups ask ``tenant_of(key)``, which the store
+answers with the tenant of the request being served (its keys are bound to that tenant), else
+the tenant recorded with the entry (DRAM, SSD, or the tenant a probe found it under; a
+background read of a remote-only chunk no request named since a restart asks the shared
+prefix: a miss, never another tenant's bytes, since keys are bound to their tenant).
 """
 
 from __future__ import annotations

@@ -68,7 +68,15 @@ class Calls:
                     self._pending -= 1
                     self._since = None
 
-        return self._pool.submit(run)
+        future = self._pool.submit(run)
+
+        def cancelled(f: Future[T]) -> None:  # cancelled before it ran: it is not pending
+            if f.cancelled():
+                with self._lock:
+                    self._pending -= 1
+
+        future.add_done_callback(cancelled)
+        return future
 
     def wait(self, future: Future[T], wait_s: float, default: T,
              late: Callable[[T], None] | None = None) -> T:

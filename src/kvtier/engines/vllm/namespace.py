@@ -7,16 +7,15 @@ The weights' fingerprint (:func:`kvtier.model_id.model_fingerprint`: config file
 of every weight file; a hub id at the ``revision`` vLLM serves) followed by a digest of what vLLM
 itself decides on top of the files:
 
-- the *effective* Hugging Face config vLLM built (``hf_overrides`` and RoPE overrides applied;
-  the path it was read from and the transformers version that wrote it left out, so machines
-  agree), the ``quantization`` method, the model ``dtype``, the KV cache dtype, and
-  ``code_revision`` (a ``trust_remote_code`` model's code);
-- ``max_model_len`` when the config scales RoPE (a ``rope_type`` other than ``default``): some
-  scalings (LongRoPE) pick their factors from it. Without RoPE scaling it is left out, so
+- ``hf_overrides`` as given (RoPE overrides are made through them; a callable by its name),
+  the config of ``hf_config_path`` when it is another directory, the ``quantization`` method,
+  the model ``dtype``, the KV cache dtype, ``model_impl`` and ``code_revision`` (a
+  ``trust_remote_code`` model's code) -- vLLM's inputs, not the config objects it derives
+  (see :func:`engine_settings`);
+- ``max_model_len`` when the config file or the overrides scale RoPE (a ``rope_type`` other
+  than ``default``), or the overrides are a callable: some scalings (LongRoPE) pick their
+  factors from it. Without RoPE scaling it is left out, so
   engines of one model with different context limits share chunks.
-
-Engines whose transformers versions write different config defaults get different digests:
-fewer shared chunks between them, never a wrong one.
 
 What is not in it, because it does not change KV for given ids: the tokenizer and its revision,
 the generation config, sampling, the served name. The page format (attention backend, block
@@ -30,10 +29,10 @@ import os
 
 import xxhash
 
-from kvtier.model_id import model_fingerprint
+from kvtier.model_id import model_fingerprint, resolve_model_dir
 
 _NOT_KV = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
-"""Keys of a transformers config that name where and by what it was read, not the model."""
+"""Keys of a config that name where and by what it was written, not the model."""
 
 
 def engine_model_id(vllm_config) -> str:  # type: ignore[no-untyped-def]
@@ -52,32 +51,51 @@ def model_reference(model_config) -> str:  # type: ignore[no-untyped-def]
 
 
 def engine_settings(vllm_config) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """What vLLM decides on top of the model's files that changes its KV (see the module)."""
+    """What vLLM decides on top of the model's files that changes its KV (see the module).
+    Made of vLLM's *inputs* (the overrides as given), never of the config objects vLLM derives
+    from them: a worker loads the model before it makes its connector, and some models' loading
+    changes ``hf_config`` in place, in the worker's copy only (tensor parallelism pickles it),
+    which would put the scheduler and its workers in different namespaces."""
     mc = vllm_config.model_config
-    hf = _config_dict(getattr(mc, "hf_config", None))
+    overrides = _overrides(getattr(mc, "hf_overrides", None))
+    config_path = getattr(mc, "hf_config_path", None)
     settings: dict[str, object] = {
-        "hf_config": hf,
+        "hf_overrides": overrides,
+        "hf_config": None if not config_path or config_path == mc.model else _config_file(config_path),
         "quantization": _text(getattr(mc, "quantization", None)),
         "dtype": _text(getattr(mc, "dtype", None)),
         "kv_cache_dtype": _text(getattr(vllm_config.cache_config, "cache_dtype", None)),
         "code_revision": _text(getattr(mc, "code_revision", None)),
+        "model_impl": _text(getattr(mc, "model_impl", None)),
     }
-    if _scales_rope(hf):
-        settings["max_model_len"] = getattr(mc, "max_model_len", None)
+    base = _config_file(config_path or model_reference(mc))
+    if not isinstance(overrides, dict) or _scales_rope(base) or _scales_rope(overrides):
+        settings["max_model_len"] = getattr(mc, "max_model_len", None)  # a callable override: unknown
     return settings
+
+
+def _overrides(value: object) -> object:
+    """``hf_overrides`` as given: a dict (JSON), or a callable named by its module and name."""
+    if not value:
+        return {}
+    if callable(value):
+        return f"callable:{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    return _clean(value)
+
+
+def _config_file(model: str) -> dict[str, object]:
+    """The ``config.json`` of a model directory or a cached hub id (empty when unreadable)."""
+    try:
+        root, _ = resolve_model_dir(model)
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return _clean(raw) if isinstance(raw, dict) else {}  # type: ignore[return-value]
 
 
 def engine_digest(vllm_config) -> str:  # type: ignore[no-untyped-def]
     raw = json.dumps(engine_settings(vllm_config), sort_keys=True, default=_text, separators=(",", ":"))
     return xxhash.xxh3_64_hexdigest(raw.encode())
-
-
-def _config_dict(config: object) -> dict[str, object]:
-    if config is None:
-        return {}
-    to_dict = getattr(config, "to_dict", None)
-    raw = to_dict() if callable(to_dict) else dict(vars(config))
-    return _clean(raw)  # type: ignore[return-value]
 
 
 def _clean(value: object) -> object:

@@ -116,6 +116,8 @@ class SchedulerSide:
                  load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0) -> None:
         self.client = client
         self.wait_s = wait_s
+        self._step_waited = 0.0
+        """Seconds this step's lookups waited inline so far (reset as the step's plan is built)."""
         """How long the engine loop waits for a lookup at most, each time vLLM asks."""
         self.lookup_deadline_s = lookup_deadline_s
         """How long after it was made a lookup not answered yet is a miss."""
@@ -213,15 +215,20 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
             pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
-        # wait a little inline, unless a call is already late (then every waiting request would
-        # add its wait to this step): the answer is then asked for at the next step
-        wait = 0.0 if self._calls.stalled(self.wait_s) else self.wait_s
+        # unless a call is already late (then every waiting request would add its wait to this
+        # step): the answer is then asked for at the next step;
+        # wait a little inline -- ``wait_s`` in all for a step, however many requests wait, so a
+        # step with N new requests costs at most one bound, not N of them
+        wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, self.wait_s - self._step_waited)
+        began = time.monotonic()
         found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
                                  None)
+        self._step_waited += time.monotonic() - began
         if found is None:
             if pending.future.done() or time.monotonic() - pending.since >= self.lookup_deadline_s:
                 del self._pending[rid]  # failed, or too late: a miss (a late answer is dropped)
                 self.lookups_missed += not pending.future.done()
+                pending.future.cancel()  # not sent yet: never sent (no backlog after a stall)
                 return 0, False
             return None, False  # not determined yet: vLLM asks again at its next step
         del self._pending[rid]
@@ -305,6 +312,7 @@ class SchedulerSide:
     def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]
         meta = KVTierMetadata(loads=self._loads, finishes=self._finishes)
         self._loads, self._finishes = [], []
+        self._step_waited = 0.0  # the next step's lookups have their own bound
         for rid in getattr(so, "preempted_req_ids", None) or ():
             tr = self._tracked.get(rid)
             if tr is not None:

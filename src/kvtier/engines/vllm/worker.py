@@ -78,7 +78,7 @@ class WorkerSide:
         self._saves: list[WriteLease | None] | None = None
         self._save_ids: dict[tuple[int, int], torch.Tensor] = {}
         """The write leases of this step's saves, one per planned save (None: not saved)."""
-        self._layers_saved = 0
+        self._layers_saved: set[int] = set()
         self._ended = True
         self._finishing = ThreadPoolExecutor(1, "kvtier-finish")
         self._receiving = ThreadPoolExecutor(1, "kvtier-receive")
@@ -134,7 +134,7 @@ class WorkerSide:
         self._meta = meta
         self._loaded = False
         self._copy_failed = False
-        self._layers_saved = 0
+        self._layers_saved = set()
         self._ended = False
 
     def start_load_kv(self) -> None:
@@ -202,7 +202,7 @@ class WorkerSide:
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
-        self._layers_saved += 1  # (every layer of this rank ran: the step's forward pass is whole)
+        self._layers_saved.add(layer)  # distinct layers: every one of this rank ran, the pass is whole
         if not self._meta.saves or not self.enabled:
             return
         assert self._copier is not None
@@ -342,7 +342,7 @@ class WorkerSide:
 
     def _incomplete(self) -> bool:
         """Whether the step computed something (it has writes) but not every layer of it ran."""
-        return bool(self._meta.writes) and self._layers_saved < len(self.kv)
+        return bool(self._meta.writes) and len(self._layers_saved) < len(self.kv)
 
     def _end_step(self, failed: bool) -> None:
         self._ended = True
