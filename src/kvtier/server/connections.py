@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import select
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -170,7 +170,10 @@ class Connections(Generic[S]):
             if session is None:
                 self._refuse(sock)
                 continue
-            sock.settimeout(READ_TIMEOUT_S)
+            # blocking, no Python timeout (it polls before every read: a thread hand-over more
+            # per request); the kernel's timeouts bound reads (set per read) and writes
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", int(READ_TIMEOUT_S), 0))
             with self._lock:
                 self._live.add(session)
             self._sel.register(sock, selectors.EVENT_READ, session)
@@ -247,31 +250,17 @@ class Connections(Generic[S]):
     # -- a talking connection (a worker thread) ------------------------------------------------
     def _talk(self, session: S) -> None:
         sock: socket.socket = session.sock  # type: ignore[attr-defined]
-        poller = None
+        idle_s = PARK_S  # handed over readable: its request is there
         try:
             while True:
                 try:
-                    request = protocol.recv(sock, READ_TIMEOUT_S)  # whole, however slowly it trickles
+                    request = protocol.recv_request(sock, idle_s, READ_TIMEOUT_S)
                 except (protocol.ProtocolError, OSError) as exc:
                     if not self._stopping:
                         log.warning("dropping a client: %s", exc)
                     self._end(session)
                     return
-                if request is None:
-                    self._end(session)
-                    return
-                reply = self._serve(session, request)
-                try:
-                    protocol.send(sock, reply)
-                except (OSError, protocol.ProtocolError):
-                    self._end(session)
-                    return
-                if poller is None:
-                    poller = select.poll()
-                    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-                # after a hello, park at once unless the next request is there already: a burst
-                # of new clients (a thousand engines starting) must not take a thread each
-                if not poller.poll(0 if request.get("op") == "hello" else PARK_S * 1000):
+                if request is protocol.IDLE:  # nothing within PARK_S: park it, free the thread
                     with self._lock:
                         stopping = self._stopping
                         if not stopping:
@@ -281,6 +270,19 @@ class Connections(Generic[S]):
                     else:
                         self._wake()
                     return
+                if request is None:
+                    self._end(session)
+                    return
+                assert isinstance(request, dict)
+                reply = self._serve(session, request)
+                try:
+                    protocol.send(sock, reply)
+                except (OSError, protocol.ProtocolError):
+                    self._end(session)
+                    return
+                # after a hello, park at once unless the next request is there already: a burst
+                # of new clients (a thousand engines starting) must not take a thread each
+                idle_s = 0.0 if request.get("op") == "hello" else PARK_S
         except BaseException:
             self._end(session)
             raise

@@ -51,38 +51,76 @@ def send(sock: socket.socket, message: dict[str, object]) -> None:
     sock.sendall(HEADER.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, buf: bytes = b"") -> bytes | None:
+    out = bytearray(buf)
+    while len(out) < n:
         if deadline is not None:  # the whole message by then, however slowly its bytes come
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the message did not arrive whole in time")
-            sock.settimeout(left)
-        part = sock.recv(n - len(buf))
+            _recv_timeout(sock, left)
+        try:
+            part = sock.recv(n - len(out))
+        except BlockingIOError:  # the kernel's receive timeout (SO_RCVTIMEO) passed
+            raise TimeoutError("the message did not arrive whole in time") from None
         if not part:
             return None
-        buf += part
-    return bytes(buf)
+        out += part
+    return bytes(out)
+
+
+def _recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """The kernel's receive timeout (``SO_RCVTIMEO``) of a blocking socket: a read then costs one
+    system call (a Python-level timeout polls before each read), and fails with EAGAIN after
+    ``seconds`` without data."""
+    sec = int(seconds)
+    usec = max(1, int((seconds - sec) * 1e6)) if sec == 0 else int((seconds - sec) * 1e6)  # 0: for ever
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, usec))
+
+
+_TIMEVAL = struct.Struct("@ll")
+IDLE = object()
+"""What :func:`recv_request` returns when no request began within its idle time."""
+
+
+def recv_request(sock: socket.socket, idle_s: float, whole_s: float) -> dict[str, object] | object | None:
+    """A daemon's read of the next request on a blocking socket without a Python timeout:
+    :data:`IDLE` if none began within ``idle_s`` (0: unless its bytes are there already), None
+    when the peer closed, else the message, which must arrive whole within ``whole_s`` of its
+    first bytes (TimeoutError otherwise). One system call a read in the common case."""
+    try:
+        if idle_s <= 0:
+            first = sock.recv(HEADER.size, socket.MSG_DONTWAIT)
+        else:
+            _recv_timeout(sock, idle_s)
+            first = sock.recv(HEADER.size)
+    except BlockingIOError:
+        return IDLE
+    if not first:
+        return None
+    deadline = time.monotonic() + whole_s
+    head = _recv_exact(sock, HEADER.size, deadline, first)
+    if head is None:
+        return None
+    return _decode_body(sock, head, deadline)
 
 
 def recv(sock: socket.socket, within_s: float | None = None) -> dict[str, object] | None:
     """The next message, or None when the peer closed the connection. ``within_s``: the whole
-    message must arrive within that many seconds (TimeoutError otherwise), not each read of it;
-    the socket's own timeout is restored after."""
+    message must arrive within that many seconds (TimeoutError otherwise), not each read of it
+    (on a blocking socket without a Python timeout: the kernel's timeout is used)."""
     deadline = None if within_s is None else time.monotonic() + within_s
-    before = sock.gettimeout() if deadline is not None else None
-    try:
-        head = _recv_exact(sock, HEADER.size, deadline)
-        if head is None:
-            return None
-        (size,) = HEADER.unpack(head)
-        if size > MAX_MESSAGE:
-            raise ProtocolError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE}")
-        body = _recv_exact(sock, size, deadline)
-    finally:
-        if deadline is not None:
-            sock.settimeout(before)
+    head = _recv_exact(sock, HEADER.size, deadline)
+    if head is None:
+        return None
+    return _decode_body(sock, head, deadline)
+
+
+def _decode_body(sock: socket.socket, head: bytes, deadline: float | None) -> dict[str, object] | None:
+    (size,) = HEADER.unpack(head)
+    if size > MAX_MESSAGE:
+        raise ProtocolError(f"message of {size} bytes exceeds the limit of {MAX_MESSAGE}")
+    body = _recv_exact(sock, size, deadline)
     if body is None:
         return None
     try:
