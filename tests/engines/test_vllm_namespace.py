@@ -64,3 +64,11 @@ def test_a_hub_model_is_fingerprinted_at_the_revision_vllm_serves():
     assert model_reference(Model) == "HuggingFaceTB/SmolLM2-135M-Instruct@v2"
     Model.revision = None
     assert model_reference(Model) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_what_the_id_cannot_see_is_refused_and_sliding_windows_count(tiny_model_dir):
+    # a callable override may change anything: two of one name could differ, so no id is guessed
+    with pytest.raises(ValueError, match="model_id"):
+        engine_model_id(config(tiny_model_dir, hf_overrides=lambda c: c))
+    assert engine_settings(config(tiny_model_dir))["disable_sliding_window"] is False
+    assert engine_settings(config(tiny_model_dir, disable_sliding_window=True))["disable_sliding_window"] is True

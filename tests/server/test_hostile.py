@@ -462,31 +462,55 @@ def test_torch_is_not_asked_for_cuda_by_a_client_that_maps_no_arena(tmp_path, mo
         daemon.stop()
 
 
-def test_a_request_trickled_a_byte_at_a_time_is_dropped_after_the_whole_message_limit():
-    """The daemon gives a request READ_TIMEOUT_S from its first byte to arrive whole; a fresh
-    timeout for every read let a client hold a worker thread for ever by sending a byte now and
-    then."""
+def test_the_daemons_reads_and_writes_are_bounded_per_message_not_per_call():
+    """The daemon gives a request READ_TIMEOUT_S from its first byte to arrive whole, and a
+    reply as long to be read: a fresh timeout for every read (or write) let a client hold a
+    worker thread for ever by sending (or reading) a byte now and then."""
     import threading
 
     a, b = socket.socketpair()
-    a.settimeout(5.0)
-    data = protocol.HEADER.pack(64) + b"x" * 64
+    a.settimeout(None)  # as the daemon's: blocking, the kernel's timeouts per read
+    try:
+        assert protocol.recv_request(a, 0.0, 1.0) is protocol.IDLE  # nothing there: park at once
+        began = time.monotonic()
+        assert protocol.recv_request(a, 0.2, 1.0) is protocol.IDLE
+        assert 0.15 < time.monotonic() - began < 1.0
+        message = {"op": "lookup", "keys": [b"k" * 16]}
+        raw = protocol.HEADER.pack(len(protocol.msgpack.packb(message, use_bin_type=True)))
+        b.sendall(raw + protocol.msgpack.packb(message, use_bin_type=True))
+        assert protocol.recv_request(a, 1.0, 1.0) == message
+        b.sendall(raw[:2])  # half a header, then silence
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            protocol.recv_request(a, 1.0, 0.4)
+        assert time.monotonic() - began < 1.0
 
-    def trickle() -> None:
-        try:
-            for byte in data:
-                b.send(bytes([byte]))
-                time.sleep(0.05)
-        except OSError:
-            pass
+        def trickle() -> None:  # a byte every 50 ms: each read is quick, the message never whole
+            try:
+                for byte in protocol.HEADER.pack(64) + b"x" * 64:
+                    b.send(bytes([byte]))
+                    time.sleep(0.05)
+            except OSError:
+                pass
 
-    sender = threading.Thread(target=trickle, daemon=True)
-    sender.start()
-    began = time.monotonic()
-    with pytest.raises(TimeoutError):
-        protocol.recv(a, within_s=0.5)  # each byte comes well within a read timeout of 5 s
-    assert time.monotonic() - began < 1.5
-    assert a.gettimeout() == 5.0  # the socket's own timeout is back
-    a.close()
-    b.close()
-    sender.join()
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            protocol.recv_request(a, 1.0, 0.5)
+        assert time.monotonic() - began < 1.5
+        sender.join()
+    finally:
+        a.close()
+        b.close()
+    # a reply the peer never reads: the write gives up after its bound, not never
+    a, b = socket.socketpair()
+    a.settimeout(None)
+    try:
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            protocol.send(a, {"ok": True, "blob": b"x" * (4 << 20)}, within_s=0.5)
+        assert time.monotonic() - began < 2.0
+    finally:
+        a.close()
+        b.close()

@@ -24,7 +24,6 @@ import os
 import queue
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -173,7 +172,6 @@ class Connections(Generic[S]):
             # blocking, no Python timeout (it polls before every read: a thread hand-over more
             # per request); the kernel's timeouts bound reads (set per read) and writes
             sock.settimeout(None)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", int(READ_TIMEOUT_S), 0))
             with self._lock:
                 self._live.add(session)
             self._sel.register(sock, selectors.EVENT_READ, session)
@@ -276,7 +274,7 @@ class Connections(Generic[S]):
                 assert isinstance(request, dict)
                 reply = self._serve(session, request)
                 try:
-                    protocol.send(sock, reply)
+                    protocol.send(sock, reply, READ_TIMEOUT_S)  # read in time, however slowly
                 except (OSError, protocol.ProtocolError):
                     self._end(session)
                     return

@@ -44,11 +44,27 @@ class BadRequest(KVTierError, ValueError):
     """A request's field is missing, of the wrong type or out of bounds."""
 
 
-def send(sock: socket.socket, message: dict[str, object]) -> None:
+def send(sock: socket.socket, message: dict[str, object], within_s: float | None = None) -> None:
+    """Write ``message``. ``within_s`` (a blocking socket without a Python timeout, the daemon's):
+    all of it within that many seconds, however slowly the peer reads (TimeoutError otherwise)."""
     data = msgpack.packb(message, use_bin_type=True)
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE}")
-    sock.sendall(HEADER.pack(len(data)) + data)
+    out = HEADER.pack(len(data)) + data
+    if within_s is None:
+        sock.sendall(out)
+        return
+    deadline = time.monotonic() + within_s
+    view, sent = memoryview(out), 0
+    while sent < len(out):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer did not read the reply in time")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+        try:
+            sent += sock.send(view[sent:])
+        except BlockingIOError:  # the kernel's send timeout passed
+            raise TimeoutError("the peer did not read the reply in time") from None
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, buf: bytes = b"") -> bytes | None:
@@ -62,6 +78,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, buf:
         try:
             part = sock.recv(n - len(out))
         except BlockingIOError:  # the kernel's receive timeout (SO_RCVTIMEO) passed
+            if deadline is None:
+                raise
             raise TimeoutError("the message did not arrive whole in time") from None
         if not part:
             return None
@@ -73,9 +91,13 @@ def _recv_timeout(sock: socket.socket, seconds: float) -> None:
     """The kernel's receive timeout (``SO_RCVTIMEO``) of a blocking socket: a read then costs one
     system call (a Python-level timeout polls before each read), and fails with EAGAIN after
     ``seconds`` without data."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float) -> bytes:
     sec = int(seconds)
-    usec = max(1, int((seconds - sec) * 1e6)) if sec == 0 else int((seconds - sec) * 1e6)  # 0: for ever
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(sec, usec))
+    usec = int((seconds - sec) * 1e6)
+    return _TIMEVAL.pack(sec, max(1, usec) if sec == 0 else usec)  # all zero would mean: for ever
 
 
 _TIMEVAL = struct.Struct("@ll")
@@ -105,15 +127,13 @@ def recv_request(sock: socket.socket, idle_s: float, whole_s: float) -> dict[str
     return _decode_body(sock, head, deadline)
 
 
-def recv(sock: socket.socket, within_s: float | None = None) -> dict[str, object] | None:
-    """The next message, or None when the peer closed the connection. ``within_s``: the whole
-    message must arrive within that many seconds (TimeoutError otherwise), not each read of it
-    (on a blocking socket without a Python timeout: the kernel's timeout is used)."""
-    deadline = None if within_s is None else time.monotonic() + within_s
-    head = _recv_exact(sock, HEADER.size, deadline)
+def recv(sock: socket.socket) -> dict[str, object] | None:
+    """The next message, or None when the peer closed the connection (the socket's own timeout
+    applies to each read: a client's; the daemon reads with :func:`recv_request`)."""
+    head = _recv_exact(sock, HEADER.size)
     if head is None:
         return None
-    return _decode_body(sock, head, deadline)
+    return _decode_body(sock, head, None)
 
 
 def _decode_body(sock: socket.socket, head: bytes, deadline: float | None) -> dict[str, object] | None:

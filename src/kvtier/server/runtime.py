@@ -198,7 +198,7 @@ class ProcessWatch:
             return False
         poller = select.poll()  # select() refuses an fd >= 1024, which a busy daemon reaches
         poller.register(self._fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return any(ev & select.POLLIN for _, ev in poller.poll(0))  # POLLNVAL (a bad fd) is not an exit
 
     def close(self) -> None:
         if self._fd is not None:

@@ -82,7 +82,6 @@ _FIXED_V3 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBI")
 _FIXED_V4 = struct.Struct(f"<4sHHI{KEY_BYTES}sQQIQIQQBBIH")
 MAX_HEADER_BYTES = 16 << 20
 """A header read on reopen at most (its checksums: 8 bytes a segment)."""
-"""A tenant's name in a header at most (the daemon's own limit on names)."""
 _NO_POSITION = 0xFFFFFFFF
 _SUFFIX = ".kvc"
 _GONE = (errno.ENOENT, errno.ENOTDIR)

@@ -7,14 +7,14 @@ The weights' fingerprint (:func:`kvtier.model_id.model_fingerprint`: config file
 of every weight file; a hub id at the ``revision`` vLLM serves) followed by a digest of what vLLM
 itself decides on top of the files:
 
-- ``hf_overrides`` as given (RoPE overrides are made through them; a callable by its name),
-  the config of ``hf_config_path`` when it is another directory, the ``quantization`` method,
+- ``hf_overrides`` as given (RoPE overrides are made through them; a callable is refused:
+  name the namespace with ``model_id``), ``disable_sliding_window``, the config of
+  ``hf_config_path`` when it is another one (at vLLM's revision), the ``quantization`` method,
   the model ``dtype``, the KV cache dtype, ``model_impl`` and ``code_revision`` (a
   ``trust_remote_code`` model's code) -- vLLM's inputs, not the config objects it derives
   (see :func:`engine_settings`);
 - ``max_model_len`` when the config file or the overrides scale RoPE (a ``rope_type`` other
-  than ``default``), or the overrides are a callable: some scalings (LongRoPE) pick their
-  factors from it. Without RoPE scaling it is left out, so
+  than ``default``): some scalings (LongRoPE) pick their factors from it. Without RoPE scaling it is left out, so
   engines of one model with different context limits share chunks.
 
 What is not in it, because it does not change KV for given ids: the tokenizer and its revision,
@@ -59,38 +59,56 @@ def engine_settings(vllm_config) -> dict[str, object]:  # type: ignore[no-untype
     mc = vllm_config.model_config
     overrides = _overrides(getattr(mc, "hf_overrides", None))
     config_path = getattr(mc, "hf_config_path", None)
+    revision = getattr(mc, "revision", None)
+    other_config = bool(config_path) and config_path != mc.model
     settings: dict[str, object] = {
         "hf_overrides": overrides,
-        "hf_config": None if not config_path or config_path == mc.model else _config_file(config_path),
+        "hf_config": _config_file(_at(config_path, revision), required=True) if other_config else None,
+        "disable_sliding_window": bool(getattr(mc, "disable_sliding_window", False)),
         "quantization": _text(getattr(mc, "quantization", None)),
         "dtype": _text(getattr(mc, "dtype", None)),
         "kv_cache_dtype": _text(getattr(vllm_config.cache_config, "cache_dtype", None)),
         "code_revision": _text(getattr(mc, "code_revision", None)),
         "model_impl": _text(getattr(mc, "model_impl", None)),
     }
-    base = _config_file(config_path or model_reference(mc))
-    if not isinstance(overrides, dict) or _scales_rope(base) or _scales_rope(overrides):
-        settings["max_model_len"] = getattr(mc, "max_model_len", None)  # a callable override: unknown
+    base = _config_file(_at(config_path, revision) if other_config else model_reference(mc), required=True)
+    if _scales_rope(base) or _scales_rope(overrides):
+        settings["max_model_len"] = getattr(mc, "max_model_len", None)
     return settings
 
 
-def _overrides(value: object) -> object:
-    """``hf_overrides`` as given: a dict (JSON), or a callable named by its module and name."""
+def _at(model: str, revision: str | None) -> str:
+    """A hub id at ``revision`` (a directory as it is)."""
+    return f"{model}@{revision}" if revision and not os.path.isdir(model) and "@" not in model else model
+
+
+def _overrides(value: object) -> dict[str, object]:
+    """``hf_overrides`` as given (a dict). A callable can change anything and says nothing of
+    what: two of them of one name may set different values, so it is refused -- name the
+    namespace yourself (``kv_connector_extra_config.model_id``)."""
     if not value:
         return {}
-    if callable(value):
-        return f"callable:{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
-    return _clean(value)
+    if callable(value) or not isinstance(value, dict):
+        raise ValueError(
+            "kvtier cannot tell what a callable hf_overrides changes in the model's KV: set "
+            "kv_connector_extra_config.model_id to a name that changes whenever the override does")
+    return _clean(value)  # type: ignore[return-value]
 
 
-def _config_file(model: str) -> dict[str, object]:
-    """The ``config.json`` of a model directory or a cached hub id (empty when unreadable)."""
+def _config_file(model: str, required: bool = False) -> dict[str, object]:
+    """The ``config.json`` of a model directory or a cached hub id (``required``: ValueError
+    when it cannot be read -- what decides the namespace must not silently count as empty)."""
     try:
         root, _ = resolve_model_dir(model)
         raw = json.loads((root / "config.json").read_text())
-    except (OSError, ValueError):
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        if required:
+            raise ValueError(f"kvtier: cannot read the config of {model!r} for the namespace ({exc}); "
+                             "set kv_connector_extra_config.model_id") from None
         return {}
-    return _clean(raw) if isinstance(raw, dict) else {}  # type: ignore[return-value]
+    return _clean(raw)  # type: ignore[return-value]
 
 
 def engine_digest(vllm_config) -> str:  # type: ignore[no-untyped-def]

@@ -116,9 +116,9 @@ class SchedulerSide:
                  load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0) -> None:
         self.client = client
         self.wait_s = wait_s
+        """How long the engine loop waits for lookups at most, in all, in one step."""
         self._step_waited = 0.0
         """Seconds this step's lookups waited inline so far (reset as the step's plan is built)."""
-        """How long the engine loop waits for a lookup at most, each time vLLM asks."""
         self.lookup_deadline_s = lookup_deadline_s
         """How long after it was made a lookup not answered yet is a miss."""
         self._calls = Calls("kvtier-lookup")
@@ -207,7 +207,8 @@ class SchedulerSide:
             return external, self.load_async and external > 0
         pending = self._pending.get(rid)
         if pending is not None and (pending.num_tokens, pending.local) != (n, num_computed_tokens):
-            pending = None  # asked about other tokens now: that answer is of no use
+            pending.future.cancel()  # asked about other tokens now: that answer is of no use
+            pending = None
         if pending is None:
             if self._calls.stalled(self.lookup_deadline_s) or len(self._pending) >= MAX_PENDING_LOOKUPS:
                 self.lookups_missed += 1  # a call has been waiting longer than this one may:
@@ -236,6 +237,12 @@ class SchedulerSide:
         external = max(0, found.chunks * self.chunk + found.tail * self.block_size - num_computed_tokens)
         return external, self.load_async and external > 0
 
+    def _forget_pending(self, rid: str) -> None:
+        """Drop the request's lookup in flight, unsent if it is still queued."""
+        pending = self._pending.pop(rid, None)
+        if pending is not None:
+            pending.future.cancel()
+
     def _lookup(self, request, tokens: list[int], n: int, num_computed_tokens: int) -> _Lookup:  # type: ignore[no-untyped-def]
         """The daemon's answer for ``tokens[:n]`` (on the lookups' thread)."""
         keys = self._full_keys(request, tokens[:n])
@@ -256,7 +263,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
         found = self._lookups.pop(rid, None)
-        self._pending.pop(rid, None)
+        self._forget_pending(rid)
         tr = self._tracked.get(rid)
         if tr is None:
             tr = self._tracked[rid] = _Tracked(request)
@@ -366,7 +373,7 @@ class SchedulerSide:
         save (vLLM keeps its blocks until the worker reports it in ``get_finished``)."""
         rid = str(request.request_id)
         self._lookups.pop(rid, None)
-        self._pending.pop(rid, None)
+        self._forget_pending(rid)
         self._sources.pop(rid, None)
         self._loading.pop(rid, None)
         self._load_failed.discard(rid)
