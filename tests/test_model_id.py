@@ -238,3 +238,26 @@ def test_a_digest_cache_others_may_write_is_not_trusted(tmp_path):
     start = bytes_read()
     assert model_fingerprint(root) == honest
     assert bytes_read() - start >= 64 << 20  # hashed again, the records ignored
+
+
+def test_a_process_stuck_holding_a_digest_lock_does_not_stop_others(tmp_path, monkeypatch):
+    import fcntl
+
+    from kvtier import model_id
+
+    root = write_model(tmp_path / "m")
+    before = model_fingerprint(root)
+    for record in (tmp_path / "kvtier-home" / "fingerprints").glob("*.json"):
+        record.unlink()  # so the next call must hash, under the lock
+    held = []
+    for lock in (tmp_path / "kvtier-home" / "fingerprints").glob("*.lock"):
+        fd = os.open(lock, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a holder that never lets go (another open file: another lock)
+        held.append(fd)
+    assert held
+    monkeypatch.setattr(model_id, "LOCK_WAIT_S", 0.3)
+    try:
+        assert model_fingerprint(root) == before  # waited its bound, then hashed itself
+    finally:
+        for fd in held:
+            os.close(fd)

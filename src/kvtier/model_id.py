@@ -45,6 +45,7 @@ import re
 import stat
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import xxhash
@@ -61,6 +62,8 @@ _SKIPPED_JSON = frozenset({
 """Files that change the text around token ids, never the KV of given ids."""
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DIGEST_VERSION = 1
+LOCK_WAIT_S = 600.0
+"""How long a process waits for another that hashes the same weight file (then hashes it too)."""
 
 log = logging.getLogger(__name__)
 
@@ -173,17 +176,27 @@ def _recorded(record: Path, ident: dict[str, object]) -> bytes | None:
 
 
 def _lock(path: Path) -> int | None:
-    """An exclusive flock on ``path`` (its fd; closing it lets go), or None if it cannot be had."""
+    """An exclusive flock on ``path`` (its fd; closing it lets go), or None if it cannot be had
+    within :data:`LOCK_WAIT_S` (a holder stuck on a hung filesystem or stopped must not stop
+    every engine's start: this one then hashes the file itself)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                _warn_once(f"another process has hashed {path.stem} for over {LOCK_WAIT_S:g} s: hashing it here too")
+                return None
+            time.sleep(0.05)
+        except OSError:
+            os.close(fd)
+            return None
 
 
 _warned: set[str] = set()
