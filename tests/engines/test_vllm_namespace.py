@@ -27,34 +27,36 @@ def config(model_dir, **kw):
 
 
 def test_everything_that_changes_kv_changes_the_model_id(tiny_model_dir, tmp_path):
-    base = engine_model_id(config(tiny_model_dir))
+    plain = config(tiny_model_dir)
+    base = engine_model_id(plain)
     assert base.startswith("kvtier-llama-tiny") and "+" in base
-    assert engine_model_id(config(tiny_model_dir)) == base  # stable
+    assert engine_model_id(plain) == base  # stable
     # a worker builds its connector after loading the model, and loading may change hf_config
     # in place (in that worker's copy only): the id is made of vLLM's inputs, so it agrees
-    loaded = config(tiny_model_dir)
-    loaded.model_config.hf_config.num_ln_in_parallel_attn = 2
-    assert engine_model_id(loaded) == base
+    plain.model_config.hf_config.num_ln_in_parallel_attn = 2
+    assert engine_model_id(plain) == base
     changed = {
         "hf_overrides": engine_model_id(config(tiny_model_dir, hf_overrides={"rms_norm_eps": 1e-3})),
-        "rope": engine_model_id(config(tiny_model_dir, hf_overrides=LINEAR)),
-        "kv_cache_dtype": engine_model_id(config(tiny_model_dir, kv_cache_dtype="fp8")),
+        "rope": engine_model_id(config(tiny_model_dir, hf_overrides=LINEAR, max_model_len=64)),
+        "kv_cache_dtype": engine_model_id(config(tiny_model_dir, kv_cache_dtype="fp8", max_model_len=64)),
     }
     assert base not in changed.values() and len(set(changed.values())) == 3, changed
-    # the context limit changes nothing while RoPE is not scaled; with a scaling it may
-    assert engine_model_id(config(tiny_model_dir, max_model_len=64)) == base
-    assert "max_model_len" not in engine_settings(config(tiny_model_dir))
+    # the context limit changes nothing while RoPE is not scaled (fp8 above ran with 64); with a
+    # scaling it may
+    assert "max_model_len" not in engine_settings(plain)
     scaled = engine_settings(config(tiny_model_dir, hf_overrides=LINEAR, max_model_len=64))
     assert scaled["max_model_len"] == 64
+    assert engine_model_id(config(tiny_model_dir, max_model_len=64, kv_cache_dtype="auto")) == base
     # a copy of the checkpoint agrees; a byte changed in the middle of its weights does not
     copy = tmp_path / tiny_model_dir.name
     shutil.copytree(tiny_model_dir, copy)
-    assert engine_model_id(config(copy)).split("@")[1] == base.split("@")[1]
+    copied = config(copy)
+    assert engine_model_id(copied).split("@")[1] == base.split("@")[1]
     weights = next(copy.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x01
     weights.write_bytes(data)
-    assert engine_model_id(config(copy)).split("@")[1].split("+")[0] != base.split("@")[1].split("+")[0]
+    assert engine_model_id(copied).split("@")[1].split("+")[0] != base.split("@")[1].split("+")[0]
 
 
 def test_a_hub_model_is_fingerprinted_at_the_revision_vllm_serves():
