@@ -56,6 +56,20 @@ class VLLMTTFTResult:
         return asdict(self)
 
 
+def _saved(engine, daemon, chunks: int, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the history's chunks are stored: ``generate`` returns before a finished
+    request's last chunks are saved, and the worker's commits are not waited for in its step, so
+    a request timed at once could find part of the history still being committed."""
+    from kvtier.engines.vllm.offline import drain
+
+    drain(engine)
+    deadline = time.monotonic() + timeout_s
+    while int(daemon.snapshot()["tiers"]["host"]["chunks"]) < chunks:  # type: ignore[index]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the history's {chunks} chunks were not stored within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -111,6 +125,7 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
             )
             engine = llm(ktc)
             engine.generate([{"prompt_token_ids": history}], sp, use_tqdm=False)  # saves the history
+            _saved(engine, daemon, len(history) // config.chunk_tokens)
             dram = [timed(engine) for _ in range(config.repeats)]
             dram_hits = int(daemon.snapshot()["hit_tokens"])  # type: ignore[call-overload]
             ssd = []
