@@ -66,14 +66,20 @@ def test_queued_chunks_go_up_in_one_batch_and_chunks_already_there_are_not_sent(
         tier.close()
 
 
+def upload_all(uploader, ids, **kw) -> dict[int, bool]:
+    """Submit chunks ``ids`` (each must be queued), wait for them: each one's outcome."""
+    outcomes: dict[int, bool] = {}
+    for i in ids:
+        assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok), **kw)
+    assert uploader.flush(timeout=10)
+    return outcomes
+
+
 def test_a_full_remote_tier_gives_up_its_oldest_chunks(valkey_standalone):
     tier = tier_on(valkey_standalone, entries=4)
     uploader = Uploader(tier, SEGMENT, max_queued=16)
-    outcomes = {}
     try:
-        for i in range(10):
-            assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok))
-        assert uploader.flush(timeout=10)
+        outcomes = upload_all(uploader, range(10))
         assert all(outcomes[i] for i in range(10)) and uploader.stats.evicted > 0
         assert key(9) in tier.keys() and len(tier.keys()) <= 4 and tier.used <= tier.capacity
         assert torch.equal(tier.get(key(9)), data(9))
@@ -109,11 +115,8 @@ def test_making_room_in_the_full_tier_never_reads_its_whole_index(valkey_standal
         assert tier.put(key(i), data(i), SEGMENT)
     listed, asked = observe_listing(tier)
     uploader = Uploader(tier, SEGMENT, max_queued=16)
-    outcomes = {}
     try:
-        for i in range(6):
-            assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok))
-        assert uploader.flush(timeout=10)
+        outcomes = upload_all(uploader, range(6))
         assert outcomes == {i: True for i in range(6)} and uploader.stats.evicted >= 4
         assert listed == [], "the uploader read the whole remote index to evict a few chunks"
         assert asked and set(asked) == {EVICT_BATCH}
@@ -135,11 +138,8 @@ def test_a_tenants_full_prefix_gives_up_its_own_oldest_chunks(valkey_standalone)
         assert shared.put(key(i), data(i), SEGMENT)
     watched = [observe_listing(t) for t in (tier, shared, acme)]
     uploader = Uploader(tier, SEGMENT, max_queued=16)
-    outcomes = {}
     try:
-        for i in range(8):
-            assert uploader.submit(key(i), data(i), lambda ok, i=i: outcomes.__setitem__(i, ok), tenant="acme")
-        assert uploader.flush(timeout=10)
+        outcomes = upload_all(uploader, range(8), tenant="acme")
         assert outcomes == {i: True for i in range(8)} and uploader.stats.evicted > 0
         assert [len(listed) for listed, _ in watched] == [0, 0, 0]
         assert [bool(asked) for _, asked in watched] == [False, False, True]  # acme's own index
