@@ -122,6 +122,11 @@ class StoreClient:
                           check_dir=socket_path is None and not os.environ.get("KVTIER_SOCKET"))
         self._namespace: Namespace | None = None
 
+    @property
+    def round_trips(self) -> tuple[int, float]:
+        """Requests this client made of the daemon so far, and their seconds in all."""
+        return self._link.round_trips, self._link.round_trip_s
+
     # -- connection ---------------------------------------------------------------------------
     def _hello(self) -> dict[str, object]:
         msg: dict[str, object] = {"op": "hello", "version": protocol.VERSION, "client": self._id,

@@ -121,6 +121,9 @@ class Link:
         self.lost_chunks = 0
         """Chunks read under leases lost since the daemon last heard (reported with forget)."""
         self.tier_names: list[str] = ["host"]
+        self.round_trips = 0
+        """Requests sent and answered (or failed) on this link, and their seconds in all."""
+        self.round_trip_s = 0.0
 
     def set_pin(self, pin: bool) -> None:
         """Page-lock arenas mapped from now on (and the one mapped now) when ``pin``."""
@@ -244,13 +247,16 @@ class Link:
                  timeout: float | None = None) -> dict[str, object]:
         """One request and its reply; ``timeout``: this call's own limit (default ``timeout_s``:
         an operation that is meant to take long, a flush, says so instead of timing out)."""
+        t0 = time.perf_counter()
         try:
             conn.sock.settimeout(timeout if timeout is not None else self.timeout_s)
             protocol.send(conn.sock, message)
             reply = protocol.recv(conn.sock)
         except (OSError, protocol.ProtocolError) as exc:
+            self._count(t0)
             self.drop(conn)
             raise DaemonUnavailable(str(exc) or type(exc).__name__) from exc
+        self._count(t0)
         if reply is None:
             self.drop(conn)
             raise DaemonUnavailable("the daemon closed the connection")
@@ -259,6 +265,10 @@ class Link:
                 raise LeaseLost(str(reply.get("error")))
             raise DaemonUnavailable(str(reply.get("error"))[:500])
         return reply
+
+    def _count(self, t0: float) -> None:
+        self.round_trips += 1  # (under ``lock``: requests are serialized)
+        self.round_trip_s += time.perf_counter() - t0
 
     def call(self, op: str, timeout: float | None = None, **fields: object) -> tuple[Connection, dict[str, object]]:
         """A request that holds nothing: tried once more on a new connection if the one it

@@ -171,6 +171,21 @@ class KVTierConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async,
                                            wait_s=wait_s, lookup_deadline_s=lookup_deadline_s)
 
+    def profile_counters(self) -> dict[str, float]:
+        """Cumulative counts for a profile (:mod:`kvtier.bench.peers.connector_profile`): daemon
+        round trips on the connection of the step's calls (lookups; acquire, release, reserve,
+        commit) and on the background one (hints; saves of finished requests, loads between
+        steps), their seconds, and the bytes copied between the arena and vLLM's blocks."""
+        n, s = self.client.round_trips
+        bn, bs = self._other.round_trips
+        out: dict[str, float] = {"round_trips": n, "round_trip_s": s,
+                                 "background_round_trips": bn, "background_round_trip_s": bs}
+        copier = self.worker._copier if self.worker is not None else None
+        if copier is not None:
+            out.update(loaded_bytes=copier.loaded_bytes + copier.loaded_bg_bytes,
+                       saved_bytes=copier.saved_bytes + copier.saved_bg_bytes)
+        return out
+
     # ==================================================================== scheduler side
     def _sched(self) -> SchedulerSide:
         assert self.scheduler is not None, "a scheduler-side call in a worker"

@@ -32,6 +32,12 @@ class Copier:
         self.device = device
         self.cuda = device.type == "cuda"
         self._layers = [threading.Event() for _ in range(num_layers)]
+        # Bytes copied, for profiles; each written by one thread only (the step's loads, the
+        # loads between steps, the step's saves, the background saves)
+        self.loaded_bytes = 0
+        self.loaded_bg_bytes = 0
+        self.saved_bytes = 0
+        self.saved_bg_bytes = 0
         if self.cuda:
             self._load_stream = torch.cuda.Stream(device)
             self._save_stream = torch.cuda.Stream(device)
@@ -74,6 +80,7 @@ class Copier:
 
     def up(self, pages: torch.Tensor) -> torch.Tensor:
         """Host pages as the device needs them (a non-blocking copy on the load stream)."""
+        self.loaded_bytes += pages.nbytes
         return pages.to(self.device, non_blocking=True) if self.cuda else pages
 
     def load(self, copy: Callable[[], None]) -> None:
@@ -112,6 +119,7 @@ class Copier:
                  after: torch.cuda.Event | None = None) -> None:
         """Copy ``pages`` into blocks ``ids`` (made by :meth:`bg_ids`) of ``kv``, after ``after``
         (:meth:`mark`, when the load was planned)."""
+        self.loaded_bg_bytes += pages.nbytes
         if not self.cuda:
             adapter.scatter(kv, ids, pages)
             return
@@ -135,6 +143,10 @@ class Copier:
     def save(self, dst: torch.Tensor, src: torch.Tensor, background: bool = False) -> None:
         """Copy device pages ``src`` into host slot ``dst``, after the compute stream's work so
         far (``src`` was gathered on it)."""
+        if background:
+            self.saved_bg_bytes += dst.nbytes
+        else:
+            self.saved_bytes += dst.nbytes
         if not self.cuda:
             dst.copy_(src)
             return
