@@ -48,7 +48,7 @@ from kvtier.server.client import StoreClient
 log = logging.getLogger(__name__)
 
 __all__ = ["ChildDied", "ServeStack", "StackConfig", "StartTimeout", "StoreSpec", "VLLMSpec",
-           "dying_with_parent", "kv_transfer_config", "refuse_owned_flags"]
+           "dying_with_parent", "kv_transfer_config", "profiled", "refuse_owned_flags"]
 
 CONNECTOR_MODULE = "kvtier.engines.vllm"
 OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
@@ -112,6 +112,16 @@ class VLLMSpec:
     load_async: bool = False
     """The connector's ``load_async``: load hits between steps (vLLM's async loading)."""
     ready_timeout_s: float = 900.0
+    python: str | None = None
+    """The Python that runs vLLM (None: this one); another environment's, for a peer's
+    connector (the benchmarks)."""
+    connector: Mapping[str, object] | None = None
+    """Another connector's ``--kv-transfer-config``, for a stack without a store (a peer)."""
+    profile_dir: str | None = None
+    """Wrap the connector in the timing proxy (:mod:`kvtier.bench.peers.connector_profile`),
+    which writes a line per engine step here."""
+    profile_module: str = "kvtier.bench.peers.connector_profile"
+    """The proxy's module as the server's Python imports it."""
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").exists():
@@ -121,6 +131,8 @@ class VLLMSpec:
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         refuse_owned_flags(self.args)
+        if self.profile_dir is not None and not self.profile_dir:
+            raise ValueError("profile_dir must be a directory path or None")
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,9 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.grace_s < 0:
             raise ValueError(f"grace_s must not be negative, got {self.grace_s}")
+        if self.store is not None and self.vllm.connector is not None:
+            raise ValueError("a stack with a kvtier store plugs in kvtier's connector; "
+                             "VLLMSpec.connector is for a stack without one")
 
 
 def _flag_name(arg: str) -> str:
@@ -168,6 +183,19 @@ def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
+
+
+def profiled(inner: Mapping[str, object], profile_dir: str,
+             module: str = "kvtier.bench.peers.connector_profile") -> dict[str, object]:
+    """The ``--kv-transfer-config`` that wraps the connector ``inner`` configures in the timing
+    proxy of ``module`` (:mod:`kvtier.bench.peers.connector_profile`)."""
+    out: dict[str, object] = {"kv_connector": "ProfiledConnector", "kv_connector_module_path": module,
+                              "kv_role": inner.get("kv_role", "kv_both"),
+                              "kv_connector_extra_config": {"profile_dir": profile_dir,
+                                                            "connector": dict(inner)}}
+    if "kv_load_failure_policy" in inner:
+        out["kv_load_failure_policy"] = inner["kv_load_failure_policy"]
+    return out
 
 
 def dying_with_parent(argv: list[str], sig: str = "TERM") -> list[str]:
@@ -300,10 +328,14 @@ class ServeStack:
 
     def _start_vllm(self, spec: VLLMSpec) -> None:
         assert self.workdir is not None
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
-                "--host", spec.host, "--port", str(spec.port), *spec.args]
-        if self.socket is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(self.socket, spec.chunk_tokens, spec.load_async))]
+        argv = [spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", spec.model, "--host", spec.host, "--port", str(spec.port), *spec.args]
+        connector = (kv_transfer_config(self.socket, spec.chunk_tokens, spec.load_async)
+                     if self.socket is not None else dict(spec.connector) if spec.connector else None)
+        if connector is not None and spec.profile_dir is not None:
+            connector = profiled(connector, spec.profile_dir, spec.profile_module)
+        if connector is not None:
+            argv += ["--kv-transfer-config", json.dumps(connector)]
         self.vllm = _Child("vllm", argv, self.workdir / "vllm.log", env=spec.env)
         deadline = time.monotonic() + spec.ready_timeout_s
         while not self._healthy():

@@ -74,10 +74,12 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     config = ServeBenchConfig(
         model=str(tiny_model_dir), conversations=3, turns=3, in_flight=3, think_s=0.2,
         max_user_tokens=150, max_reply_tokens=24, chunk_tokens=64, pool_conversations=1.0,
-        directory=str(tmp_path))
+        directory=str(tmp_path), profile=True)
     report = run_serve_bench(config).as_dict()
     json.dumps(report)  # one JSON object
-    assert set(report) == {"config", "workload", "results", "ratios"}
+    assert set(report) == {"config", "workload", "results", "summary", "ratios", "matched_requests",
+                           "refused", "notes"}
+    assert report["matched_requests"] == 9
     vllm, kvtier = report["results"]
     assert (vllm["name"], kvtier["name"]) == ("vllm", "kvtier")
     for r in (vllm, kvtier):
@@ -93,4 +95,23 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     hits = kvtier["kvtier"]
     assert hits["host_hits"] + hits["disk_hits"] > 0
     assert hits["host_tokens_taken"] + hits["disk_tokens_taken"] > 0  # vLLM took KV from kvtier
-    assert set(report["ratios"]) == {"ttft_later_mean", "requests_per_s", "tpot_mean"}
+    assert set(report["ratios"]) == {"kvtier/vllm"}
+    assert set(report["ratios"]["kvtier/vllm"]) == set(report["summary"]["kvtier"])
+    assert report["summary"]["kvtier"]["tpot_mean_s"]["median"] == kvtier["tpot_mean_s"]
+    # the timing proxy ran around kvtier's connector in a real engine: both kinds of step, every
+    # step hook of both sides timed, the daemon's round trips and the bytes copied counted
+    assert vllm["profile"] is None
+    prof = kvtier["profile"]
+    assert set(prof) == {"decode", "prefill"}
+    for kind in ("decode", "prefill"):
+        p = prof[kind]
+        assert p["steps"] > 0 and p["span_ms"] > 0 and 0 < p["hooks_share"] < 1
+        assert {"build_connector_meta", "update_connector_output"} <= set(p["scheduler_hooks_ms"])
+        assert {"bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save",
+                "clear_connector_metadata"} <= set(p["worker_hooks_ms"])
+    assert "get_num_new_matched_tokens" in prof["prefill"]["scheduler_hooks_ms"]
+    assert prof["prefill"]["round_trips"] > 0 and prof["prefill"]["round_trip_ms"] > 0
+    # every byte vLLM took from kvtier was copied in by a profiled step, and saves were copied out
+    kv = report["workload"]["kv_bytes_per_token"]
+    copied = sum(p["bytes_copied"] * p["steps"] for p in prof.values())
+    assert copied >= (hits["host_tokens_taken"] + hits["disk_tokens_taken"]) * kv

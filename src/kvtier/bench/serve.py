@@ -1,5 +1,6 @@
 """``kvtier bench serve``: a multi-turn serving benchmark on real ShareGPT conversations, vLLM
-alone against vLLM with kvtier, one after the other on the same machine.
+alone against vLLM with kvtier and against kvtier's peers, one after the other on the same
+machine, repeated interleaved (A B C A B C ...).
 
 Workload: the first ``conversations`` ShareGPT conversations with at least ``turns`` human turns;
 each user message is cut to ``max_user_tokens`` tokens of the served model's tokenizer, and each
@@ -13,7 +14,18 @@ Configurations, both with the same vLLM flags and ``VLLM_CPU_OMP_THREADS_BIND``:
   ``pool_conversations`` of the workload's longest conversations: what an accelerator too small
   for every open chat holds;
 - ``kvtier``: the same, with the kvtier daemon under it (:class:`kvtier.launch.ServeStack`):
-  DRAM for ``host_fraction`` of the workload's KV, SSD for all of it.
+  DRAM for ``host_fraction`` of the workload's KV, SSD for all of it;
+- peers (``peers``): ``lmcache`` -- LMCache (:mod:`kvtier.bench.peers.lmcache`, in an
+  environment of its own), kvtier's DRAM and SSD budgets, chunk ``chunk_tokens``;
+  ``lmcache-decode`` -- the same with ``save_decode_cache`` (its chat setting); ``offload`` --
+  vLLM's own OffloadingConnector with kvtier's DRAM budget, where the platform supports it
+  (where it refuses to start, the report says so with its error).
+
+``repeats`` runs every configuration that many times, interleaved; each figure is reported per
+run and as the median and range over the runs, computed over the requests every run of every
+configuration completed (matched by conversation and turn). ``profile`` wraps each connector in
+the timing proxy (:mod:`kvtier.bench.peers.connector_profile`) and reports its per-step table
+(:mod:`kvtier.bench.peers.profile_report`).
 
 Per configuration: TTFT of first and of later turns, TPOT, requests/s, for later turns the
 tokens vLLM computed beyond the turn's new tokens (new = this prompt - previous prompt -
@@ -26,20 +38,25 @@ from __future__ import annotations
 import math
 import os
 import re
-import statistics
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvtier.bench.chat_client import PlannedTurn, TurnRecord, run_conversations, warm_up
+from kvtier.bench.chat_client import PlannedTurn, run_conversations, warm_up
+from kvtier.bench.serve_report import ConfigResult, Run, ServeBenchReport, build_report, summarize
 from kvtier.bench.servers import free_port
 from kvtier.bench.sharegpt import multi_turn
 from kvtier.demo import resolve_model
-from kvtier.launch import ServeStack, StackConfig, StoreSpec, VLLMSpec
+from kvtier.launch import ChildDied, ServeStack, StackConfig, StoreSpec, VLLMSpec
+
+__all__ = ["CONFIGS", "PEERS", "ConfigResult", "RequestFailed", "ServeBenchConfig", "ServeBenchReport",
+           "build_workload", "run_serve_bench", "stack_config", "summarize"]
 
 CONFIGS = ("vllm", "kvtier")
+PEERS = ("lmcache", "lmcache-decode", "offload")
 
 
 class RequestFailed(RuntimeError):
@@ -76,6 +93,16 @@ class ServeBenchConfig:
     directory: str | None = None
     """Parent of the SSD tier's and the logs' temporary directory."""
     configs: tuple[str, ...] = CONFIGS
+    peers: tuple[str, ...] = ()
+    """Peers run beside them (:data:`PEERS`)."""
+    repeats: int = 1
+    """Runs of every configuration, interleaved."""
+    profile: bool = False
+    """Wrap every connector in the timing proxy and report its per-step table."""
+    lmcache_python: str | None = None
+    """The Python of an environment with LMCache and vLLM (None: made on first use)."""
+    cache_dir: str | None = None
+    """Where peers' environments are made (None: ``$KVTIER_HOME`` or ``~/.cache/kvtier``)."""
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "in_flight", "max_user_tokens", "max_reply_tokens",
@@ -90,6 +117,16 @@ class ServeBenchConfig:
             raise ValueError("bench serve host_fraction must be positive")
         if not self.configs or any(c not in CONFIGS for c in self.configs) or self.configs[0] != "vllm":
             raise ValueError(f"bench serve configs must start with 'vllm' and be among {CONFIGS}")
+        bad = [p for p in self.peers if p not in PEERS]
+        if bad or len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"bench serve peers must be distinct, among {', '.join(PEERS)}; got {', '.join(self.peers)}")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"bench serve repeats must be a positive integer, got {self.repeats!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every configuration, in the order each repeat runs them."""
+        return (*self.configs, *self.peers)
 
 
 @dataclass(frozen=True)
@@ -139,59 +176,6 @@ def build_workload(config: ServeBenchConfig, model_dir: Path) -> Workload:
     return Workload(plans, [c.id for c in convs], finals, kv_bytes_per_token(model_dir))
 
 
-def _percentile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def _dist(xs: Sequence[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"mean": None, "p50": None, "p99": None}
-    return {"mean": statistics.fmean(xs), "p50": _percentile(xs, 0.5), "p99": _percentile(xs, 0.99)}
-
-
-@dataclass
-class ConfigResult:
-    name: str
-    wall_s: float
-    requests: int
-    requests_per_s: float
-    ttft_first_s: dict[str, float | None]
-    ttft_later_s: dict[str, float | None]
-    tpot_mean_s: float | None
-    extra_computed_later: dict[str, float | None]
-    """Tokens computed beyond the turn's new ones, later turns: median and mean."""
-    pool_tokens: int | None
-    """vLLM's KV pool as its log reports it."""
-    kvtier: dict[str, int] | None
-    same_replies_as_vllm: bool | None = None
-    differing_replies: int = 0
-    turns: list[dict[str, object]] = field(default_factory=list)
-
-
-def summarize(name: str, records: list[TurnRecord], wall_s: float, pool_tokens: int | None,
-              kvtier: dict[str, int] | None) -> ConfigResult:
-    first = [r.ttft_s for r in records if r.turn == 0]
-    later = [r.ttft_s for r in records if r.turn > 0]
-    tpots = [r.tpot_s for r in records if r.tpot_s is not None]
-    by_turn = {(r.conversation, r.turn): r for r in records}
-    extra: list[float] = []
-    for r in records:
-        prev = by_turn.get((r.conversation, r.turn - 1))
-        if prev is not None:
-            new = r.prompt_tokens - prev.prompt_tokens - prev.completion_tokens
-            extra.append(r.prompt_tokens - r.cached_tokens - new)
-    return ConfigResult(
-        name=name, wall_s=wall_s, requests=len(records), requests_per_s=len(records) / wall_s,
-        ttft_first_s=_dist(first), ttft_later_s=_dist(later),
-        tpot_mean_s=statistics.fmean(tpots) if tpots else None,
-        extra_computed_later={"median": statistics.median(extra) if extra else None,
-                              "mean": statistics.fmean(extra) if extra else None},
-        pool_tokens=pool_tokens, kvtier=kvtier, turns=[asdict(r) for r in records])
-
-
 def _kvtier_delta(before: dict, after: dict) -> dict[str, int]:  # type: ignore[type-arg]
     out: dict[str, int] = {}
     for tier in after["tiers"]:
@@ -204,9 +188,17 @@ def _kvtier_delta(before: dict, after: dict) -> dict[str, int]:  # type: ignore[
     return out
 
 
-def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload, tmp: Path
-                 ) -> StackConfig:
-    """The same vLLM flags for every configuration; ``kvtier`` adds the daemon."""
+def budgets(config: ServeBenchConfig, work: Workload) -> tuple[int, int]:
+    """(DRAM bytes, SSD bytes) every cache configuration gets: kvtier's and its peers' alike."""
+    chunk_bytes = config.chunk_tokens * work.kv_bytes_per_token
+    return (max(4 * chunk_bytes, int(config.host_fraction * work.kv_bytes)),
+            2 * work.kv_bytes + 16 * chunk_bytes)
+
+
+def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload, tmp: Path,
+                 lmcache_python: Path | None = None, profile_dir: Path | None = None) -> StackConfig:
+    """The same vLLM flags for every configuration; ``kvtier`` adds the daemon, a peer its
+    connector (``lmcache_python``: the peer's environment)."""
     longest = max(work.final_tokens)
     max_len = -(-(longest + config.block_size) // config.block_size) * config.block_size
     blocks = math.ceil(config.pool_conversations * max_len / config.block_size) + 1  # + vLLM's null block
@@ -216,30 +208,70 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", SERVED_NAME)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": config.cpu_bind,
            "VLLM_CPU_KVCACHE_SPACE": str(max(1, pool_gib))}  # an upper bound; the override decides
-    store = None
+    dram, ssd = budgets(config, work)
+    store = connector = python = None
+    module = "kvtier.bench.peers.connector_profile"
+    run = tmp / name
     if name == "kvtier":
-        chunk_bytes = config.chunk_tokens * work.kv_bytes_per_token
-        store = StoreSpec(host_bytes=max(4 * chunk_bytes, int(config.host_fraction * work.kv_bytes)),
-                          disk_path=str(tmp / "ssd"), disk_bytes=2 * work.kv_bytes + 16 * chunk_bytes)
+        store = StoreSpec(host_bytes=dram, disk_path=str(run / "ssd"), disk_bytes=ssd)
+    elif name in ("lmcache", "lmcache-decode"):
+        from kvtier.bench.peers.lmcache import lmcache_config, lmcache_server
+
+        if lmcache_python is None:
+            raise ValueError(f"bench serve {name} needs LMCache's environment")
+        run.mkdir(parents=True, exist_ok=True)
+        path = lmcache_config(run / "lmcache.yaml", dram_bytes=dram, disk_path=run / "disk",
+                              disk_bytes=ssd, chunk_tokens=config.chunk_tokens,
+                              save_decode=name == "lmcache-decode")
+        connector, more = lmcache_server(path)
+        env = {**env, **more}
+        python, module = str(lmcache_python), "connector_profile"
+    elif name == "offload":
+        connector = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"cpu_bytes_to_use": dram, "offload_prompt_only": False}}
     return StackConfig(vllm=VLLMSpec(model=str(model_dir), port=free_port(), args=args, env=env,
-                                     chunk_tokens=config.chunk_tokens, load_async=config.load_async),
-                       store=store, workdir=str(tmp / name))
+                                     chunk_tokens=config.chunk_tokens, load_async=config.load_async,
+                                     python=python, connector=connector, profile_module=module,
+                                     profile_dir=str(profile_dir) if profile_dir and name != "vllm" else None),
+                       store=store, workdir=str(run))
 
 
-@dataclass
-class ServeBenchReport:
-    config: dict[str, object]
-    workload: dict[str, object]
-    results: list[ConfigResult]
-    ratios: dict[str, float | None]
+def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchConfig, work: Workload,
+             progress: Callable[[str], None]) -> Run:
+    progress(f"{name} (run {repeat + 1} of {config.repeats}): starting vLLM"
+             f"{' and the kvtier daemon' if stack_cfg.store else ''}")
+    with ServeStack(stack_cfg) as stack:
+        url = f"{stack.url}/v1"
+        try:
+            warm_up(url, SERVED_NAME)
+            before = stack.stats() if stack.socket else None
+            progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
+            t0 = time.perf_counter()
+            records = run_conversations(url, SERVED_NAME, work.plans,
+                                        in_flight=config.in_flight, think_s=config.think_s)
+            wall = time.perf_counter() - t0
+        except Exception as exc:  # the server's log says why; it goes with the stack
+            raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
+                                f"{stack.log_text('vllm')[-4000:]}") from exc
+        stack.check()
+        delta = _kvtier_delta(before, stack.stats()) if before is not None else None
+        found = _POOL_LOG.findall(stack.log_text("vllm"))
+        pool = int(found[-1].replace(",", "")) if found else None
+    profile = None
+    if stack_cfg.vllm.profile_dir is not None:
+        from kvtier.bench.peers.profile_report import summarize_profile
 
-    def as_dict(self) -> dict[str, object]:
-        return {"config": self.config, "workload": self.workload,
-                "results": [asdict(r) for r in self.results], "ratios": self.ratios}
+        profile = summarize_profile(Path(stack_cfg.vllm.profile_dir))
+    return Run(name, repeat, records, wall, pool, delta, profile)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return b / a if a and b is not None else None
+_ERROR_LINE = re.compile(r"^.*\b(?:[A-Za-z]*Error|Exception): .*$", re.MULTILINE)
+
+
+def refusal(log_tail: str) -> str:
+    """The line of a server's log that says why it would not start (its last error line)."""
+    lines = _ERROR_LINE.findall(log_tail)
+    return (lines[-1] if lines else log_tail.strip().splitlines()[-1] if log_tail.strip() else "?").strip()[:500]
 
 
 def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = lambda _m: None
@@ -247,40 +279,35 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
     model_dir = resolve_model(config.model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = build_workload(config, model_dir)
-    results: list[ConfigResult] = []
+    lmcache_py = None
+    if any(p.startswith("lmcache") for p in config.peers):
+        from kvtier.bench.peers.lmcache import lmcache_python
+
+        lmcache_py = lmcache_python(Path(config.cache_dir) if config.cache_dir else None,
+                                    config.lmcache_python, progress)
+    runs: list[Run] = []
+    refused: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-", dir=config.directory) as tmpdir:
-        for name in config.configs:
-            stack_cfg = stack_config(name, config, model_dir, work, Path(tmpdir))
-            progress(f"{name}: starting vLLM{' and the kvtier daemon' if stack_cfg.store else ''}")
-            with ServeStack(stack_cfg) as stack:
-                url = f"{stack.url}/v1"
+        for repeat in range(config.repeats):
+            for name in config.names:
+                if name in refused:
+                    continue
+                tmp = Path(tmpdir) / f"run{repeat}"
+                profile_dir = tmp / f"{name}-profile" if config.profile else None
+                stack_cfg = stack_config(name, config, model_dir, work, tmp, lmcache_py, profile_dir)
                 try:
-                    warm_up(url, SERVED_NAME)
-                    before = stack.stats() if stack.socket else None
-                    progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
-                    t0 = time.perf_counter()
-                    records = run_conversations(url, SERVED_NAME, work.plans,
-                                                in_flight=config.in_flight, think_s=config.think_s)
-                    wall = time.perf_counter() - t0
-                except Exception as exc:  # the server's log says why; it goes with the stack
-                    raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
-                                        f"{stack.log_text('vllm')[-4000:]}") from exc
-                stack.check()
-                delta = _kvtier_delta(before, stack.stats()) if before is not None else None
-                found = _POOL_LOG.findall(stack.log_text("vllm"))
-                pool = int(found[-1].replace(",", "")) if found else None
-            results.append(summarize(name, records, wall, pool, delta))
-    base = results[0]
-    for r in results[1:]:
-        diffs = sum(a["reply"] != b["reply"] for a, b in zip(base.turns, r.turns))
-        r.same_replies_as_vllm, r.differing_replies = diffs == 0, diffs
-    base.same_replies_as_vllm = True
-    ratios: dict[str, float | None] = {}
-    if len(results) > 1:
-        b, k = results[0], results[1]
-        ratios = {"ttft_later_mean": _ratio(b.ttft_later_s["mean"], k.ttft_later_s["mean"]),
-                  "requests_per_s": _ratio(b.requests_per_s, k.requests_per_s),
-                  "tpot_mean": _ratio(b.tpot_mean_s, k.tpot_mean_s)}
+                    runs.append(_run_one(name, repeat, stack_cfg, config, work, progress))
+                except ChildDied as exc:
+                    if name != "offload":
+                        raise
+                    refused[name] = refusal(exc.log_tail)  # the platform does not support it
+                    progress(f"{name}: vLLM refused to start: {refused[name]}")
+                shutil.rmtree(tmp / name, ignore_errors=True)  # its SSD files: the next run's disk
+    notes = []
+    if lmcache_py is not None:
+        notes.append("LMCache ran through kvtier.bench.peers.lmcache_cpu: LMCache 0.5.6 ships no CPU "
+                     "paged-KV copier for vLLM's CPU backend, and that adapter supplies one (it only "
+                     "moves bytes)")
     workload = {"conversations": work.ids, "final_tokens": work.final_tokens,
                 "kv_bytes_per_token": work.kv_bytes_per_token, "kv_bytes": work.kv_bytes}
-    return ServeBenchReport(asdict(config), workload, results, ratios)
+    return build_report(asdict(config), workload, runs, refused, notes)

@@ -284,13 +284,24 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Parent of the temporary directory (SSD tier, logs). Default: $TMPDIR or /tmp.")
 @click.option("--load-async", is_flag=True, help="The connector loads hits between steps (vLLM's async loading).")
+@click.option("--peers", default="", show_default=False,
+              help="Peers to run beside kvtier, comma-separated: lmcache, lmcache-decode, offload.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of every configuration, interleaved (A B C A B C); median and range reported.")
+@click.option("--profile", is_flag=True,
+              help="Wrap every connector in a timing proxy: per-step time in each hook, round trips, bytes.")
+@click.option("--lmcache-python", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="The Python of an environment with LMCache and vLLM [default: made on first use].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
-                cpu_bind: str, directory: str | None, load_async: bool, as_json: bool) -> None:
+                cpu_bind: str, directory: str | None, load_async: bool, peers: str, repeats: int,
+                profile: bool, lmcache_python: str | None, as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
-    (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD), one after the other."""
+    (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD) and its peers
+    (``--peers``: LMCache, LMCache saving decoded tokens, vLLM's OffloadingConnector), one after
+    the other, ``--repeats`` times interleaved."""
     from kvtier.bench.serve import RequestFailed, ServeBenchConfig, run_serve_bench
     from kvtier.launch import ChildDied, StartTimeout
 
@@ -300,7 +311,9 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
             think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
             pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
-            directory=directory, load_async=load_async)
+            directory=directory, load_async=load_async,
+            peers=tuple(p.strip() for p in peers.split(",") if p.strip()), repeats=repeats,
+            profile=profile, lmcache_python=lmcache_python)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     err = Console(stderr=True)
@@ -672,50 +685,77 @@ def _print_daemon(result: DaemonBenchResult) -> None:
 
 
 def _print_serve(report: ServeBenchReport) -> None:
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x * 1000:.0f}"
+    def ms(x: object) -> str:
+        return "-" if x is None else f"{float(x) * 1000:.0f}"  # type: ignore[arg-type]
 
-    def num(x: float | None, fmt: str = ".1f") -> str:
-        return "-" if x is None else format(x, fmt)
+    def num(x: object, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(float(x), fmt)  # type: ignore[arg-type]
 
     w = report.workload
     finals: list[int] = w["final_tokens"]  # type: ignore[assignment]
+    repeats = report.config["repeats"]
     table = Table(title=f"bench serve: {len(finals)} ShareGPT conversations, "
                         f"{report.config['turns']} turns, {report.config['in_flight']} in flight, "
                         f"think {report.config['think_s']} s; final histories "
-                        f"{min(finals)}-{max(finals)} tokens")
+                        f"{min(finals)}-{max(finals)} tokens; {report.matched_requests} requests "
+                        f"matched over {repeats} run(s) each: median [min-max]")
     table.add_column("")
-    for r in report.results:
-        table.add_column(r.name, justify="right")
-    rows: list[tuple[str, list[str]]] = []
-    for label, key in (("TTFT first turns ms mean / p50 / p99", "ttft_first_s"),
-                       ("TTFT later turns ms mean / p50 / p99", "ttft_later_s")):
-        rows.append((label, [" / ".join(ms(getattr(r, key)[q]) for q in ("mean", "p50", "p99"))
-                             for r in report.results]))
-    rows += [
-        ("TPOT mean ms", [ms(r.tpot_mean_s) for r in report.results]),
-        ("requests/s", [num(r.requests_per_s, ".3f") for r in report.results]),
-        ("later turns: computed beyond new tokens, median / mean",
-         [f"{num(r.extra_computed_later['median'], '.0f')} / {num(r.extra_computed_later['mean'], '.0f')}"
-          for r in report.results]),
-        ("kvtier lookup hits DRAM / SSD (chunks; every lookup counts)",
-         [f"{r.kvtier.get('host_hits', 0)} / {r.kvtier.get('disk_hits', 0)}" if r.kvtier else "-"
-          for r in report.results]),
-        ("kvtier tokens taken DRAM / SSD",
-         [f"{r.kvtier.get('host_tokens_taken', 0)} / {r.kvtier.get('disk_tokens_taken', 0)}"
-          if r.kvtier else "-" for r in report.results]),
-        ("vLLM KV pool tokens", [str(r.pool_tokens or "?") for r in report.results]),
-        ("replies identical to vllm's",
-         ["yes" if r.same_replies_as_vllm else f"no ({r.differing_replies} differ)" for r in report.results]),
-        ("wall s", [f"{r.wall_s:.1f}" for r in report.results]),
-    ]
-    for label, cells in rows:
+    names = list(report.summary)
+    for name in names:
+        table.add_column(name, justify="right")
+    shown = (("TTFT first turns ms", "ttft_first_mean_s", ms), ("TTFT later turns ms", "ttft_later_mean_s", ms),
+             ("TPOT ms", "tpot_mean_s", ms), ("requests/s", "requests_per_s", lambda x: num(x, ".3f")),
+             ("later turns: computed beyond new tokens", "extra_computed_later_median", lambda x: num(x, ".0f")))
+    for label, key, fmt in shown:
+        cells = []
+        for name in names:
+            f = report.summary[name][key]
+            cells.append(f"{fmt(f['median'])} [{fmt(f['min'])}-{fmt(f['max'])}]")
         table.add_row(label, *cells)
+    same = {n: [r for r in report.results if r.name == n] for n in names}
+    table.add_row("replies identical to vllm's", *[
+        "yes" if all(r.same_replies_as_vllm for r in same[n]) else
+        f"no ({sum(r.differing_replies for r in same[n])} differ)" for n in names])
+    table.add_row("kvtier tokens taken DRAM / SSD (last run)", *[
+        f"{same[n][-1].kvtier.get('host_tokens_taken', 0)} / {same[n][-1].kvtier.get('disk_tokens_taken', 0)}"
+        if same[n][-1].kvtier else "-" for n in names])
     console = Console()
     console.print(table)
-    if report.ratios:
-        parts = [f"{k} {v:.3f}x" for k, v in report.ratios.items() if v is not None]
-        console.print("kvtier / vllm: " + ", ".join(parts))
+    for name, error in report.refused.items():
+        console.print(f"{name}: vLLM refused to start on this platform: {error}", highlight=False)
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False)
+    for pair, ratios in report.ratios.items():
+        parts = [f"{k.removesuffix('_s')} {v:.3f}x" for k, v in ratios.items() if v is not None]
+        console.print(f"{pair} (medians): " + ", ".join(parts), highlight=False)
+    for r in report.results:
+        if r.profile and r.repeat == 0:
+            _print_profile(console, r.name, r.profile)
+
+
+def _print_profile(console: Console, name: str, profile: dict) -> None:  # type: ignore[type-arg]
+    table = Table(title=f"{name}: connector cost per engine step (first run)")
+    table.add_column("")
+    kinds = list(profile)
+    for kind in kinds:
+        table.add_column(f"{kind} ({profile[kind]['steps']} steps)", justify="right")
+
+    def row(label: str, fn) -> None:  # type: ignore[no-untyped-def]
+        table.add_row(label, *[fn(profile[k]) for k in kinds])
+
+    row("step (forward span + scheduler hooks) ms", lambda p: f"{p['span_ms'] + sum(p['scheduler_hooks_ms'].values()):.2f}")
+    row("all hooks ms", lambda p: f"{p['hooks_ms']:.3f}")
+    row("share of step time in hooks", lambda p: "-" if p["hooks_share"] is None else f"{100 * p['hooks_share']:.2f}%")
+    hooks = sorted({(side, h) for p in profile.values() for side in ("scheduler", "worker")
+                    for h in p[f"{side}_hooks_ms"]})
+    for side, h in hooks:
+        row(f"  {side}: {h} ms", lambda p, side=side, h=h: f"{p[f'{side}_hooks_ms'].get(h, 0):.3f}")
+    row("daemon round trips (step's connection)", lambda p: f"{p['round_trips']:.2f}")
+    row("steps with a round trip", lambda p: str(p["steps_with_round_trips"]))
+    row("round trip ms", lambda p: "-" if p["round_trip_ms"] is None else f"{p['round_trip_ms']:.2f}")
+    row("background round trips", lambda p: f"{p['background_round_trips']:.2f}")
+    row("bytes copied", lambda p: f"{p['bytes_copied'] / 1e6:.2f} MB")
+    console.print(table)
 
 
 from kvtier.cli.workload_sharegpt import workload_sharegpt  # kvtier bench workload-sharegpt

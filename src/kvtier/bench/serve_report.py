@@ -1,0 +1,163 @@
+"""``kvtier bench serve``'s figures: one run's summary, and the report over every run.
+
+A run's figures are computed over the requests *every* run of every configuration completed
+(matched by conversation and turn), so no configuration is judged on turns another one lacks.
+Each figure is reported per run and as the median and range over a configuration's runs; ratios
+are of medians: every configuration against ``vllm``, and ``kvtier`` against each peer.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvtier.bench.chat_client import TurnRecord
+
+__all__ = ["ConfigResult", "Run", "ServeBenchReport", "build_report", "summarize"]
+
+FIGURES = ("ttft_first_mean_s", "ttft_later_mean_s", "tpot_mean_s", "requests_per_s",
+           "extra_computed_later_median")
+"""Per run: mean TTFT of first and later turns, mean TPOT, requests/s, and the tokens later
+turns computed beyond their new ones (median)."""
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _dist(xs: Sequence[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None}
+    return {"mean": statistics.fmean(xs), "p50": _percentile(xs, 0.5), "p99": _percentile(xs, 0.99)}
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    wall_s: float
+    requests: int
+    requests_per_s: float
+    ttft_first_s: dict[str, float | None]
+    ttft_later_s: dict[str, float | None]
+    tpot_mean_s: float | None
+    extra_computed_later: dict[str, float | None]
+    """Tokens computed beyond the turn's new ones, later turns: median and mean."""
+    pool_tokens: int | None
+    """vLLM's KV pool as its log reports it."""
+    kvtier: dict[str, int] | None
+    same_replies_as_vllm: bool | None = None
+    differing_replies: int = 0
+    """Against the first ``vllm`` run, over the matched requests."""
+    turns: list[dict[str, object]] = field(default_factory=list)
+    repeat: int = 0
+    profile: dict[str, object] | None = None
+    """The timing proxy's per-step table (:func:`kvtier.bench.peers.profile_report.summarize_profile`)."""
+
+
+def summarize(name: str, records: list[TurnRecord], wall_s: float, pool_tokens: int | None,
+              kvtier: dict[str, int] | None) -> ConfigResult:
+    first = [r.ttft_s for r in records if r.turn == 0]
+    later = [r.ttft_s for r in records if r.turn > 0]
+    tpots = [r.tpot_s for r in records if r.tpot_s is not None]
+    by_turn = {(r.conversation, r.turn): r for r in records}
+    extra: list[float] = []
+    for r in records:
+        prev = by_turn.get((r.conversation, r.turn - 1))
+        if prev is not None:
+            new = r.prompt_tokens - prev.prompt_tokens - prev.completion_tokens
+            extra.append(r.prompt_tokens - r.cached_tokens - new)
+    return ConfigResult(
+        name=name, wall_s=wall_s, requests=len(records), requests_per_s=len(records) / wall_s,
+        ttft_first_s=_dist(first), ttft_later_s=_dist(later),
+        tpot_mean_s=statistics.fmean(tpots) if tpots else None,
+        extra_computed_later={"median": statistics.median(extra) if extra else None,
+                              "mean": statistics.fmean(extra) if extra else None},
+        pool_tokens=pool_tokens, kvtier=kvtier, turns=[asdict(r) for r in records])
+
+
+@dataclass
+class Run:
+    """What one run of one configuration gave."""
+
+    name: str
+    repeat: int
+    records: list[TurnRecord]
+    wall_s: float
+    pool_tokens: int | None
+    kvtier: dict[str, int] | None
+    profile: dict[str, object] | None
+
+
+def figures(r: ConfigResult) -> dict[str, float | None]:
+    return {"ttft_first_mean_s": r.ttft_first_s["mean"], "ttft_later_mean_s": r.ttft_later_s["mean"],
+            "tpot_mean_s": r.tpot_mean_s, "requests_per_s": r.requests_per_s,
+            "extra_computed_later_median": r.extra_computed_later["median"]}
+
+
+def spread(xs: Sequence[float | None]) -> dict[str, object]:
+    """Median, min and max of a figure over runs (None where a run lacks it)."""
+    got = [x for x in xs if x is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None, "runs": list(xs)}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got), "runs": list(xs)}
+
+
+@dataclass
+class ServeBenchReport:
+    config: dict[str, object]
+    workload: dict[str, object]
+    results: list[ConfigResult]
+    """One per run, in the order they ran."""
+    summary: dict[str, dict[str, dict[str, object]]]
+    """Configuration -> figure -> median, min, max and each run's value."""
+    ratios: dict[str, dict[str, float | None]]
+    """``"a/b"`` -> figure -> median of a / median of b."""
+    matched_requests: int
+    refused: dict[str, str] = field(default_factory=dict)
+    """Configurations that would not start on this platform -> the error they gave."""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"config": self.config, "workload": self.workload,
+                "results": [asdict(r) for r in self.results], "summary": self.summary,
+                "ratios": self.ratios, "matched_requests": self.matched_requests,
+                "refused": self.refused, "notes": self.notes}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def build_report(config: dict[str, object], workload: dict[str, object], runs: list[Run],
+                 refused: dict[str, str], notes: list[str] | None = None) -> ServeBenchReport:
+    keys = [{(r.conversation, r.turn) for r in run.records} for run in runs]
+    matched = set.intersection(*keys) if keys else set()
+    results: list[ConfigResult] = []
+    base: dict[tuple[int, int], str] | None = None
+    for run in runs:
+        records = [r for r in run.records if (r.conversation, r.turn) in matched]
+        result = summarize(run.name, records, run.wall_s, run.pool_tokens, run.kvtier)
+        result.repeat, result.profile = run.repeat, run.profile
+        replies = {(r.conversation, r.turn): r.reply for r in records}
+        if base is None and run.name == "vllm":
+            base = replies
+        if base is not None:
+            result.differing_replies = sum(replies[k] != base[k] for k in replies)
+            result.same_replies_as_vllm = result.differing_replies == 0
+        results.append(result)
+    names = list(dict.fromkeys(r.name for r in results))
+    summary = {name: {f: spread([figures(r)[f] for r in results if r.name == name]) for f in FIGURES}
+               for name in names}
+    ratios: dict[str, dict[str, float | None]] = {}
+    pairs = [(n, "vllm") for n in names if n != "vllm"]
+    pairs += [("kvtier", n) for n in names if n not in ("vllm", "kvtier")] if "kvtier" in names else []
+    for a, b in pairs:
+        if b in summary:
+            ratios[f"{a}/{b}"] = {f: _ratio(summary[a][f]["median"], summary[b][f]["median"])  # type: ignore[arg-type]
+                                  for f in FIGURES}
+    return ServeBenchReport(config, workload, results, summary, ratios, len(matched), refused, notes or [])
