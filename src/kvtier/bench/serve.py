@@ -269,9 +269,10 @@ _ERROR_LINE = re.compile(r"^.*\b(?:[A-Za-z]*Error|Exception): .*$", re.MULTILINE
 
 
 def refusal(log_tail: str) -> str:
-    """The line of a server's log that says why it would not start (its last error line)."""
+    """The line of a server's log that says why it would not start (its first error line: the
+    root cause, before the engine's own "initialization failed")."""
     lines = _ERROR_LINE.findall(log_tail)
-    return (lines[-1] if lines else log_tail.strip().splitlines()[-1] if log_tail.strip() else "?").strip()[:500]
+    return (lines[0] if lines else log_tail.strip().splitlines()[-1] if log_tail.strip() else "?").strip()[:500]
 
 
 def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = lambda _m: None
