@@ -50,6 +50,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.core.home import kvtier_home
+
 __all__ = ["file_digest", "fingerprint_cache_dir", "model_fingerprint", "resolve_model_dir"]
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -88,8 +90,7 @@ def model_fingerprint(model: str | os.PathLike[str], *, cache_dir: str | os.Path
 
 def fingerprint_cache_dir() -> Path:
     """``$KVTIER_HOME/fingerprints`` (default ``~/.cache/kvtier/fingerprints``)."""
-    home = os.environ.get("KVTIER_HOME") or os.path.join(Path.home(), ".cache", "kvtier")
-    return Path(home) / "fingerprints"
+    return kvtier_home() / "fingerprints"
 
 
 def file_digest(path: Path, cache: Path | None = None) -> bytes:

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.core.home import kvtier_home
+
 BUILD_VERSION = 2
 SPECIAL_TOKENS = [
     "<|begin_of_text|>",
@@ -64,8 +66,7 @@ _build_lock = threading.Lock()
 
 
 def models_home() -> Path:
-    root = os.environ.get("KVTIER_HOME") or os.path.join(Path.home(), ".cache", "kvtier")
-    return Path(root) / "models"
+    return kvtier_home() / "models"
 
 
 def build_tokenizer():  # type: ignore[no-untyped-def]

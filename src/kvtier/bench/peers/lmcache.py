@@ -15,13 +15,13 @@ needs:
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.core.home import kvtier_home
 from kvtier.errors import ConfigError, KVTierError
 
 LMCACHE_VERSION = "0.5.6"
@@ -56,7 +56,7 @@ def lmcache_python(cache_dir: Path | None = None, python: str | None = None,
     if python is not None:
         _check_python(Path(python))
         return Path(python)
-    root = Path(cache_dir or os.environ.get("KVTIER_HOME") or Path.home() / ".cache" / "kvtier")
+    root = Path(cache_dir) if cache_dir else kvtier_home()
     venv = root / "peers" / f"lmcache-{LMCACHE_VERSION}"
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f"{venv.name}.lock", "w") as lock:
