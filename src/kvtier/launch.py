@@ -52,6 +52,8 @@ __all__ = ["ChildDied", "ServeStack", "StackConfig", "StartTimeout", "StoreSpec"
 
 CONNECTOR_MODULE = "kvtier.engines.vllm"
 OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
+PROFILE_MODULE = "kvtier.bench.peers.connector_profile"
+"""The timing proxy's module, as kvtier's own Python imports it."""
 """vLLM flags the stack sets itself; a user's copy in the passthrough flags is refused."""
 LOG_TAIL_CHARS = 3000
 
@@ -120,7 +122,7 @@ class VLLMSpec:
     profile_dir: str | None = None
     """Wrap the connector in the timing proxy (:mod:`kvtier.bench.peers.connector_profile`),
     which writes a line per engine step here."""
-    profile_module: str = "kvtier.bench.peers.connector_profile"
+    profile_module: str = PROFILE_MODULE
     """The proxy's module as the server's Python imports it."""
 
     def __post_init__(self) -> None:
@@ -186,7 +188,7 @@ def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,
 
 
 def profiled(inner: Mapping[str, object], profile_dir: str,
-             module: str = "kvtier.bench.peers.connector_profile") -> dict[str, object]:
+             module: str = PROFILE_MODULE) -> dict[str, object]:
     """The ``--kv-transfer-config`` that wraps the connector ``inner`` configures in the timing
     proxy of ``module`` (:mod:`kvtier.bench.peers.connector_profile`)."""
     out: dict[str, object] = {"kv_connector": "ProfiledConnector", "kv_connector_module_path": module,

@@ -50,7 +50,7 @@ from kvtier.bench.serve_report import ConfigResult, Run, ServeBenchReport, build
 from kvtier.bench.servers import free_port
 from kvtier.bench.sharegpt import multi_turn
 from kvtier.demo import resolve_model
-from kvtier.launch import ChildDied, ServeStack, StackConfig, StoreSpec, VLLMSpec
+from kvtier.launch import PROFILE_MODULE, ChildDied, ServeStack, StackConfig, StoreSpec, VLLMSpec
 
 __all__ = ["CONFIGS", "PEERS", "ConfigResult", "RequestFailed", "ServeBenchConfig", "ServeBenchReport",
            "build_workload", "run_serve_bench", "stack_config", "summarize"]
@@ -210,7 +210,7 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
            "VLLM_CPU_KVCACHE_SPACE": str(max(1, pool_gib))}  # an upper bound; the override decides
     dram, ssd = budgets(config, work)
     store = connector = python = None
-    module = "kvtier.bench.peers.connector_profile"
+    module = PROFILE_MODULE
     run = tmp / name
     if name == "kvtier":
         store = StoreSpec(host_bytes=dram, disk_path=str(run / "ssd"), disk_bytes=ssd)

@@ -56,12 +56,13 @@ def summarize_profile(directory: Path) -> dict[str, object]:
         trips = trips_s = bg_trips = bg_s = moved = 0.0
         with_trips = 0
         for w, s in steps:
-            for name, sec in _hook_s(s).items():
+            step_sched, step_work = _hook_s(s), _hook_s(w)
+            for name, sec in step_sched.items():
                 sched_hooks[name] = sched_hooks.get(name, 0.0) + sec
-            for name, sec in _hook_s(w).items():
+            for name, sec in step_work.items():
                 work_hooks[name] = work_hooks.get(name, 0.0) + sec
             span += float(w["span_s"])  # type: ignore[arg-type]
-            hooks_total += sum(_hook_s(s).values()) + sum(_hook_s(w).values())
+            hooks_total += sum(step_sched.values()) + sum(step_work.values())
             step_trips = _counter(s, "round_trips") + _counter(w, "round_trips")
             trips += step_trips
             with_trips += step_trips > 0
