@@ -10,6 +10,7 @@ chunk computed over KV that never arrived may be stored."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -20,9 +21,10 @@ pytest.importorskip("vllm")
 
 from kvtier.core.layout import KVLayout
 from kvtier.engines.vllm.pages import adapter_for
-from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
+from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.engines.vllm.worker import WorkerSide
+from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
 BLOCK = 4
@@ -82,8 +84,8 @@ class FakeClient:
         self.abandoned.append(lease.request)
 
 
-def worker(client) -> WorkerSide:
-    w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"))
+def worker(client, inline: bool | None = None) -> WorkerSide:
+    w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), inline=inline)
     kv = {f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(LAYOUT.num_layers)}  # CPU layout
     w.register(kv, NUM_BLOCKS)
     assert w.enabled
@@ -225,9 +227,10 @@ def test_the_ranks_of_a_tensor_parallel_group_agree_on_every_commit():
     assert clients[1].committed == []
 
 
-def test_only_the_blocks_vllm_lacks_are_loaded_and_counted():
+@pytest.mark.parametrize("inline", [True, False], ids=["copied-inline", "copied-on-a-thread"])
+def test_only_the_blocks_vllm_lacks_are_loaded_and_counted(inline):
     client = FakeClient()
-    w = worker(client)
+    w = worker(client, inline)
     chunk = torch.arange(LAYOUT.chunk_bytes // 4, dtype=torch.float32).view(torch.uint8)
     client.stored = {key(0): chunk.clone(), key(1): chunk.clone() + 1}
     # vLLM holds block 0 itself; chunk 1 is a partial chunk of one block (the tail)
@@ -244,9 +247,10 @@ def test_only_the_blocks_vllm_lacks_are_loaded_and_counted():
     assert client.released == [{"request": "A", "took": [4, 4], "had": 0, "failed": 0}]
 
 
-def test_a_finished_request_is_saved_in_the_background_and_reported_done():
+@pytest.mark.parametrize("inline", [True, False], ids=["copied-inline", "copied-on-a-thread"])
+def test_a_finished_request_is_saved_in_the_background_and_reported_done(inline):
     client = FakeClient()
-    w = worker(client)
+    w = worker(client, inline)
     for kv in w.kv:
         kv[7].fill_(7.0)
     fin = Transfer("F", [key(4), key(5)], 0, [3, 4, 7], tail_blocks=1)
@@ -254,9 +258,10 @@ def test_a_finished_request_is_saved_in_the_background_and_reported_done():
     deadline = time.monotonic() + 10
     done = set()
     while not done and time.monotonic() < deadline:
-        done = w.get_finished({"F"})[0] or set()
+        done = w.get_finished({"F"})[0] or set()  # (vLLM calls it every step, empty ones too)
         time.sleep(0.01)
     assert done == {"F"}
+    assert w._bg_calls.drain(5)
     assert client.committed == [("F", [key(4), key(5)])]
     tail = client.stored[key(5)].view(torch.float32)
     assert torch.all(tail[: BLOCK * 4] == 7.0)  # the tail's one block, at the chunk's start
@@ -444,5 +449,133 @@ def test_a_waiting_request_asked_about_every_step_is_looked_up_once_a_second(sch
     sched.get_num_new_matched_tokens(r, BLOCK)  # vLLM's own cache changed: asked again
     assert len(calls) == 2
     monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
-    sched.get_num_new_matched_tokens(r, BLOCK)
+    gate = threading.Event()
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: gate.wait(5) and calls.append(1) or [])
+    waits = sched._calls.waits
+    assert sched.get_num_new_matched_tokens(r, BLOCK) == (0, False)  # the last answer, at once:
+    assert sched._calls.waits == waits  # the refresh runs in the background, never waited for
+    gate.set()
+    assert sched._calls.drain(5)
     assert len(calls) == 3
+
+
+class SlowReserve(FakeClient):
+    """Reserves wait for ``gate``; every call is logged in order."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+
+    def acquire(self, keys, **kw):
+        self.calls.append("acquire")
+        return super().acquire(keys, **kw)
+
+    def reserve(self, keys, **kw):
+        self.calls.append("reserve")
+        self.gate.wait(5)
+        return super().reserve(keys, **kw)
+
+
+def test_a_decode_step_never_waits_for_its_save_at_the_first_layer_and_copies_it_after_the_pass():
+    client = SlowReserve()
+    w = worker(client)
+    blocks = [0, 1, 2, 3]
+    for i, kv in enumerate(w.kv):
+        for b in blocks:
+            kv[b].fill_(float(10 * i + b + 1))
+    # a decode step completing chunk 1 of A
+    w.bind(KVTierMetadata(saves=[Transfer("A", [key(1)], 1, blocks)], writes=[Write("A", blocks, 7, 8)]))
+    w.start_load_kv()
+    waits = w._calls.waits
+    for i, kv in enumerate(w.kv):
+        w.wait_for_layer_load(f"l{i}")
+        w.save_kv_layer(f"l{i}", kv)
+    assert w._calls.waits == waits  # the reserve is still out: the pass did not wait for it
+    client.gate.set()  # it comes back while the forward pass ends
+    w.wait_for_save()
+    w._calls.drain()
+    assert client.committed == [("A", [key(1)])]
+    stored = client.stored[key(1)].view(torch.float32)
+    n = LAYOUT.layer_bytes // 4
+    assert torch.all(stored[: n // 2] == 3.0) and torch.all(stored[n // 2 : n] == 4.0)  # layer 0: blocks 2, 3
+    assert torch.all(stored[n : n + n // 2] == 13.0)  # layer 1, from vLLM's blocks after the pass
+    assert w.take_meta() is None
+
+
+def test_a_save_not_reserved_by_the_end_of_its_step_is_planned_again_and_its_lease_abandoned():
+    client = SlowReserve()
+    w = worker(client)
+    w.wait_s = 0.01
+    blocks = [0, 1, 2, 3]
+    step(w, KVTierMetadata(saves=[Transfer("A", [key(1)], 1, blocks)], writes=[Write("A", blocks, 7, 8)]))
+    assert w.take_meta() == KVTierWorkerMeta({"A": 1})  # the scheduler plans it again
+    client.gate.set()
+    deadline = time.monotonic() + 5
+    while not client.abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.committed == [] and client.abandoned == ["A"]  # the late lease is ended
+
+
+def test_a_step_that_loads_sends_its_reserves_after_its_acquires():
+    client = SlowReserve()
+    client.gate.set()
+    w = worker(client)
+    client.stored = {key(0): torch.zeros(LAYOUT.chunk_bytes, dtype=torch.uint8)}
+    step(w, KVTierMetadata(loads=[load("B", [key(0)], [8, 9])],
+                           saves=[Transfer("A", [key(1)], 1, [0, 1, 2, 3])],
+                           writes=[Write("B", [8, 9], 8, 9), Write("A", [0, 1, 2, 3], 7, 8)]))
+    assert client.calls == ["acquire", "reserve"]
+    assert client.committed == [("A", [key(1)])]
+
+
+def test_a_refresh_that_fails_at_once_keeps_the_answer_and_one_that_hangs_is_a_miss(sched, monkeypatch):
+    from kvtier.engines.vllm import scheduler
+
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: ["host"] * len(keys))
+    r = request("R", range(2 * CHUNK + 1))
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)
+    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+
+    def fail(keys, **kw):
+        raise DaemonUnavailable("gone")
+
+    monkeypatch.setattr(sched.client, "lookup_keys", fail)
+    sched._lookups["R"].at = time.monotonic()
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # the refresh goes out
+    assert sched._calls.drain(5)
+    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 10.0)  # (the answer is still young)
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # it failed: the answer stands
+    gate = threading.Event()
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: gate.wait(5) and [])
+    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+    sched.lookup_deadline_s = 0.05
+    assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # a refresh, hanging
+    time.sleep(0.1)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)  # past its deadline: a miss
+    gate.set()
+
+
+def test_pending_block_frees_buy_one_step_per_finished_request_and_end_with_its_save(sched, monkeypatch):
+    from kvtier.engines.vllm import scheduler
+
+    assert not sched.has_pending_block_frees()
+    r = request("R", range(CHUNK + BLOCK))
+    sched.update_state_after_alloc(r, blocks_of(range(10, 13)), 0)
+    new = SimpleNamespace(req_id="R", block_ids=(list(range(10, 13)),), num_computed_tokens=0)
+    sched.build_connector_meta(output([new], scheduled={"R": CHUNK + BLOCK}))
+    r.num_computed_tokens = CHUNK + BLOCK
+    assert sched.request_finished(r, list(range(10, 13)))  # its tail is saved: blocks kept
+    assert sched.has_pending_block_frees()  # vLLM waits for them once instead of preempting
+    assert not sched.has_pending_block_frees()  # and not again for the same finish
+    sched.update_connector_output(SimpleNamespace(finished_sending={"R"}, finished_recving=set(),
+                                                  invalid_block_ids=set()))
+    assert not sched._freeing
+    r2 = request("S", range(CHUNK + BLOCK))
+    sched.update_state_after_alloc(r2, blocks_of(range(20, 23)), 0)
+    new = SimpleNamespace(req_id="S", block_ids=(list(range(20, 23)),), num_computed_tokens=0)
+    sched.build_connector_meta(output([new], scheduled={"S": CHUNK + BLOCK}))
+    r2.num_computed_tokens = CHUNK + BLOCK
+    assert sched.request_finished(r2, list(range(20, 23)))
+    monkeypatch.setattr(scheduler, "PENDING_FREE_S", 0.0)  # a save slower than that: vLLM preempts
+    assert not sched.has_pending_block_frees()

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class Calls:
         """Calls whose result the loop stopped waiting for."""
         self.skipped = 0
         """Waits skipped at once because the daemon was stalled."""
+        self.waits = 0
+        self.wait_s = 0.0
+        """Times the caller (vLLM's engine loop) blocked on a call not done yet, and the seconds
+        it blocked in all: what a profile counts as the loop waiting on the daemon."""
 
     def stalled(self, after_s: float) -> bool:
         """Whether a call has been running for longer than ``after_s`` (the daemon is slow or
@@ -83,17 +88,34 @@ class Calls:
         """``future``'s result if it is done within ``wait_s``, else ``default``; a result that
         comes after that is passed to ``late`` (on the calls' thread), which ends whatever it
         holds. A call that raised is ``default``."""
+        if not future.done() and wait_s > 0:
+            t0 = time.perf_counter()
+            futures_wait([future], timeout=wait_s)
+            self.waits += 1  # (the caller's thread only)
+            self.wait_s += time.perf_counter() - t0
         try:
-            return future.result(timeout=wait_s)
+            return future.result(timeout=0)
         except FutureTimeout:
             with self._lock:
                 self.gave_up += 1
             if late is not None:
-                future.add_done_callback(lambda f: self._late(f, late))
+                self.when_done(future, late)
             return default
         except Exception:
             log.exception("kvtier: a daemon call failed")
             return default
+
+    def when_done(self, future: Future[T], fn: Callable[[T], None]) -> None:
+        """Pass ``future``'s result to ``fn`` on the calls' thread once it is done (never on
+        the caller's: ``fn`` talks to the daemon, and the caller must not wait on it); not if
+        the call failed."""
+        def dispatch(f: Future[T]) -> None:
+            try:
+                self.submit(lambda: self._late(f, fn))  # (in order, counted as any call)
+            except RuntimeError:  # shut down: the connection's end ends what it held
+                pass
+
+        future.add_done_callback(dispatch)
 
     @staticmethod
     def _late(future: Future[T], late: Callable[[T], None]) -> None:

@@ -175,11 +175,17 @@ class KVTierConnector(KVConnectorBase_V1):
         """Cumulative counts for a profile (:mod:`kvtier.bench.peers.connector_profile`): daemon
         round trips on the connection of the step's calls (lookups; acquire, release, reserve,
         commit) and on the background one (hints; saves of finished requests, loads between
-        steps), their seconds, and the bytes copied between the arena and vLLM's blocks."""
+        steps), their seconds; the times vLLM's engine loop blocked on one of the step's calls
+        (``loop_waits``) and for how long; and the bytes copied between the arena and vLLM's
+        blocks."""
         n, s = self.client.round_trips
         bn, bs = self._other.round_trips
+        side = self.worker if self.worker is not None else self.scheduler
+        calls = side._calls if side is not None else None
         out: dict[str, float] = {"round_trips": n, "round_trip_s": s,
-                                 "background_round_trips": bn, "background_round_trip_s": bs}
+                                 "background_round_trips": bn, "background_round_trip_s": bs,
+                                 "loop_waits": calls.waits if calls else 0,
+                                 "loop_wait_s": calls.wait_s if calls else 0.0}
         copier = self.worker._copier if self.worker is not None else None
         if copier is not None:
             out.update(loaded_bytes=copier.loaded_bytes + copier.loaded_bg_bytes,
@@ -219,6 +225,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:  # type: ignore[no-untyped-def]
         self._sched().update_connector_output(connector_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     def take_events(self):  # type: ignore[no-untyped-def]
         return ()

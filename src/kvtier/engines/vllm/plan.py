@@ -58,12 +58,24 @@ class Transfer:
 @dataclass
 class Write:
     """A scheduled request computes the KV of tokens ``start..end`` this step, attending to
-    every block in ``block_ids`` (its blocks up to ``end``)."""
+    every block in ``block_ids`` (its blocks up to ``end``).
+
+    ``blocks`` may be the request's own block list, shared and not copied (a step costs no
+    work in proportion to the context): the scheduler only ever appends to it, so its first
+    ``nblocks`` stay what they were when the step was planned."""
 
     req_id: str
-    block_ids: list[int]
+    blocks: list[int]
     start: int
     end: int
+    nblocks: int | None = None
+    """How many of ``blocks`` are the request's up to ``end`` (None: all of them)."""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The request's blocks up to ``end`` (a copy, or with ``nblocks`` None ``blocks``
+        itself; read only when a block is suspect)."""
+        return self.blocks if self.nblocks is None else self.blocks[: self.nblocks]
 
 
 @dataclass

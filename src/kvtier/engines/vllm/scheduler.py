@@ -21,12 +21,14 @@ then for the longest held partial chunk after it, and remembers what it found fo
 daemon counts the lookup and its policy sees the chunks touched (under the request's id, so a
 request looked up twice is one use).
 
-vLLM's engine loop never waits on the daemon for long (:mod:`.calls`): a lookup runs on a thread
-of its own, and the loop waits for it at most ``wait_s`` (20 ms by default). One not back by
+vLLM's engine loop never waits on the daemon for long (:mod:`.calls`), and never while requests
+run: a lookup runs on a thread of its own; the loop waits for a request's first answer only
+while no request is running, and at most ``wait_s`` (20 ms by default) in a step. One not back
 then is asked about again at the next step (vLLM's "not determined yet": the request waits, the
 others run), and is a miss once ``lookup_deadline_s`` has passed since it was made; while the
-daemon has not answered a call for longer than ``wait_s`` (it is stalled), new requests miss at
-once without a call. Hints (queued, started, finished) go out on another thread and are dropped,
+daemon has not answered a call for longer than ``lookup_deadline_s`` (it is stalled), new
+requests miss at once without a call. A request asked about again (it waits for blocks) gets
+its last answer at once, refreshed in the background. Hints (queued, started, finished) go out on another thread and are dropped,
 counted, while :data:`MAX_HINTS` of them wait.
 """
 
@@ -50,10 +52,19 @@ log = logging.getLogger(__name__)
 MAX_HINTS = 1024
 """Hints waiting to be sent at most; more are dropped (a stalled daemon must not grow a queue)."""
 MAX_PENDING_LOOKUPS = 4096
+PENDING_FREE_S = 0.5
+"""How long after a request finished its save's blocks count as about to be freed
+(``has_pending_block_frees``); a save slower than that (a stalled daemon) lets vLLM preempt as
+it would."""
+BUSY_WAIT_S = 0.002
+"""How long the engine loop waits inline for a new request's first lookup while others run: a
+daemon that answers at once (it usually does, in well under that) costs the new request no
+step, and the running ones at most this."""
 LOOKUP_REUSE_S = 1.0
-"""How long a waiting request's lookup is reused while vLLM asks again each step (the daemon
-is asked once a second at most, not every step; a chunk evicted meanwhile is a failed load,
-which vLLM recomputes)."""
+"""How old a waiting request's answer may be before it is refreshed in the background while
+vLLM asks again each step (the daemon is asked once a second at most, not every step, and the
+loop never waits for a refresh; a chunk evicted meanwhile is a failed load, which vLLM
+recomputes)."""
 
 
 class Phase(enum.Enum):
@@ -145,6 +156,13 @@ class SchedulerSide:
         self._finishes: list[Transfer] = []
         self._hints = ThreadPoolExecutor(1, "kvtier-hints")
         self.preemptions = 0
+        self._freeing: dict[str, float] = {}
+        """Finished requests whose blocks vLLM keeps until their save is done -> when."""
+        self._free_credits = 0
+        """Times ``has_pending_block_frees`` may still say yes: one per finished request whose
+        save holds its blocks (each buys one step of waiting instead of one preemption)."""
+        self._busy = False
+        """Whether the last step computed anything (requests are running)."""
 
     # -- keys ----------------------------------------------------------------------------------
     def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
@@ -199,28 +217,50 @@ class SchedulerSide:
         n = len(request.all_token_ids) - 1  # one token must be left to compute
         if skipped(request) or n < self.block_size or rid in self._load_failed:
             return 0, False  # (a request whose load failed is computed, not offered it again)
-        seen = self._lookups.get(rid)
         now = time.monotonic()
-        if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens) \
-                and now - seen.at < LOOKUP_REUSE_S:
-            external = max(0, seen.chunks * self.chunk + seen.tail * self.block_size - num_computed_tokens)
-            return external, self.load_async and external > 0
         pending = self._pending.get(rid)
         if pending is not None and (pending.num_tokens, pending.local) != (n, num_computed_tokens):
             pending.future.cancel()  # asked about other tokens now: that answer is of no use
+            del self._pending[rid]
             pending = None
+        seen = self._lookups.get(rid)
+        if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens):
+            # asked again (the request waits for blocks): the last answer, never a wait; it is
+            # refreshed in the background once it is LOOKUP_REUSE_S old (chunks saved since --
+            # the last turn's tail -- are found; a chunk evicted meanwhile is a failed load,
+            # which vLLM recomputes)
+            if pending is not None and (pending.future.done() or now - pending.since >= self.lookup_deadline_s):
+                del self._pending[rid]
+                fresh = self._result(pending.future) if pending.future.done() else None
+                if fresh is not None:
+                    seen = self._lookups[rid] = fresh
+                elif not pending.future.done() or now - seen.at >= 2 * LOOKUP_REUSE_S:
+                    # the daemon is stalled, or the answer is too old to trust: a miss now
+                    pending.future.cancel()
+                    del self._lookups[rid]
+                    self.lookups_missed += 1
+                    return 0, False
+                # (a refresh that failed at once -- a dropped connection -- leaves the last
+                # answer standing a while; a load of a chunk gone since is a failed load)
+            elif pending is None and now - seen.at >= LOOKUP_REUSE_S:
+                if self._calls.stalled(self.lookup_deadline_s):
+                    del self._lookups[rid]
+                    self.lookups_missed += 1
+                    return 0, False
+                self._submit(rid, request, n, num_computed_tokens, now)
+            return self._external(seen, num_computed_tokens)
         if pending is None:
             if self._calls.stalled(self.lookup_deadline_s) or len(self._pending) >= MAX_PENDING_LOOKUPS:
                 self.lookups_missed += 1  # a call has been waiting longer than this one may:
                 return 0, False           # the daemon is stalled, a miss now without a call
-            tokens = list(request.all_token_ids)
-            future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
-            pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
-        # unless a call is already late (then every waiting request would add its wait to this
-        # step): the answer is then asked for at the next step;
-        # wait a little inline -- ``wait_s`` in all for a step, however many requests wait, so a
-        # step with N new requests costs at most one bound, not N of them
-        wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, self.wait_s - self._step_waited)
+            pending = self._submit(rid, request, n, num_computed_tokens, now)
+        # The first answer for these tokens. The loop waits for it inline ``wait_s`` in all for
+        # a step however many requests wait while no request runs (nobody else's step is
+        # delayed), BUSY_WAIT_S while some do, and not at all while a call is already late;
+        # an answer not back then is taken at the next step (vLLM's "not determined yet": this
+        # request waits one step, the running ones are not delayed by a daemon round trip).
+        bound = BUSY_WAIT_S if self._busy else self.wait_s
+        wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, bound - self._step_waited)
         began = time.monotonic()
         found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
                                  None)
@@ -234,8 +274,24 @@ class SchedulerSide:
             return None, False  # not determined yet: vLLM asks again at its next step
         del self._pending[rid]
         self._lookups[rid] = found
+        return self._external(found, num_computed_tokens)
+
+    def _external(self, found: _Lookup, num_computed_tokens: int) -> tuple[int, bool]:
         external = max(0, found.chunks * self.chunk + found.tail * self.block_size - num_computed_tokens)
         return external, self.load_async and external > 0
+
+    def _submit(self, rid: str, request, n: int, num_computed_tokens: int, now: float) -> _Pending:  # type: ignore[no-untyped-def]
+        tokens = list(request.all_token_ids)
+        future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
+        pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
+        return pending
+
+    @staticmethod
+    def _result(future: Future) -> _Lookup | None:
+        """A done lookup's answer; None if it failed."""
+        if future.cancelled() or future.exception(timeout=0) is not None:
+            return None
+        return future.result(timeout=0)
 
     def _forget_pending(self, rid: str) -> None:
         """Drop the request's lookup in flight, unsent if it is still queued."""
@@ -319,6 +375,7 @@ class SchedulerSide:
     def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]
         meta = KVTierMetadata(loads=self._loads, finishes=self._finishes)
         self._loads, self._finishes = [], []
+        self._busy = bool(so.num_scheduled_tokens)
         self._step_waited = 0.0  # the next step's lookups have their own bound
         for rid in getattr(so, "preempted_req_ids", None) or ():
             tr = self._tracked.get(rid)
@@ -358,7 +415,7 @@ class SchedulerSide:
         tr.phase = Phase.RUNNING
         end = computed + scheduled
         nblocks = min(len(tr.block_ids), -(-end // self.block_size))
-        meta.writes.append(Write(rid, tr.block_ids[:nblocks], computed, end))
+        meta.writes.append(Write(rid, tr.block_ids, computed, end, nblocks))  # (shared: never copied)
         if skipped(tr.request):
             return
         full = min(end, len(tr.request.all_token_ids)) // self.chunk  # type: ignore[attr-defined]
@@ -402,6 +459,8 @@ class SchedulerSide:
         except DaemonUnavailable:
             return False
         tr.phase = Phase.FINISHING
+        self._freeing[rid] = time.monotonic()
+        self._free_credits += 1
         self._finishes.append(Transfer(rid, keys, first, list(block_ids[: full * self.per_chunk + tail]),
                                        tail_blocks=tail))
         return True
@@ -424,6 +483,25 @@ class SchedulerSide:
                 self._load_failed.add(rid)
         for rid in getattr(output, "finished_recving", None) or ():
             self._loading.pop(rid, None)
+        for rid in getattr(output, "finished_sending", None) or ():
+            self._freeing.pop(rid, None)
+        if not self._freeing:
+            self._free_credits = 0
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether a finished request's save will free its blocks soon (it ended within
+        :data:`PENDING_FREE_S`). vLLM asks when a running request finds no free block; on yes
+        it schedules no more running requests this step (the rest of the batch waits a step,
+        and waiting requests may be admitted) instead of preempting one, which would compute
+        all of its KV again. Each finished request buys one such yes, so a stream of finishes
+        cannot hold the batch back step after step."""
+        if not self._freeing or self._free_credits <= 0:
+            return False
+        now = time.monotonic()
+        if not any(now - t < PENDING_FREE_S for t in self._freeing.values()):
+            return False
+        self._free_credits -= 1
+        return True
 
     def phase(self, req_id: str) -> Phase | None:
         tr = self._tracked.get(req_id)

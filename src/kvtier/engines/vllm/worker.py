@@ -1,20 +1,28 @@
 """The connector's worker half (next to the model, one per tensor-parallel rank): copies chunks
 between the daemon's shared arena and vLLM's KV blocks.
 
-Per step, in vLLM's order: ``bind`` (the step's plan), ``start_load_kv`` (pin the chunks to
-load -- a read lease -- and copy them layer by layer on a background thread), the forward pass
-(``wait_for_layer_load`` before each layer's attention, ``save_kv_layer`` after it: reserve
-slots -- a write lease -- at the first layer, copy each layer's finished pages in), then
-``wait_for_save`` (end the read leases, decide what may be committed, commit it, start the
-background saves of finished requests) and ``get_finished`` (the finished requests whose save
-is done: vLLM frees their blocks).
+Per step, in vLLM's order: ``bind`` (the step's plan; the reserves of its saves -- write
+leases -- go out now, so the forward pass covers their round trip), ``start_load_kv`` (pin the
+chunks to load -- a read lease -- and copy them: layer by layer on a background thread beside
+an accelerator's compute, all at once on the engine's thread when vLLM's KV is in host memory),
+the forward pass (``wait_for_layer_load`` before each layer's attention, ``save_kv_layer``
+after it: at the first layer take the reserves already back and copy each layer's finished
+pages in from then on), then ``wait_for_save`` (end the read leases; copy the saves whose
+reserve came later, every layer at once from vLLM's blocks; decide what may be committed,
+commit it; start the saves of finished requests) and ``get_finished`` (the finished requests
+whose save is done: vLLM frees their blocks).
 
-The engine loop never waits on the daemon for long (:mod:`.calls`): the step's daemon calls run
-on a thread of their own, and the step waits for a load's acquire and release at most
-``load_wait_s`` (a load not confirmed by then is a load error: vLLM recomputes those blocks) and
-for a save's reserve at most ``wait_s`` (a save skipped so is reported to the scheduler, which
-plans it again); commits are not waited for at all. A lease that comes back after the step gave
-up on it is ended at once on that thread.
+The engine loop never waits on the daemon for long (:mod:`.calls`), and a decode step not at
+all as a rule: the step's daemon calls run on a thread of their own; the step waits for a
+load's acquire and release at most ``load_wait_s`` (a load not confirmed by then is a load
+error: vLLM recomputes those blocks), and for a save's reserve at most ``wait_s`` -- at the
+first layer only in a step that prefills, and after the forward pass only when the pass was
+shorter than the round trip (a save skipped so is reported to the scheduler, which plans it
+again); commits are not waited for at all. A lease that comes back after the step gave up on
+it is ended at once on that thread. :class:`~.calls.Calls` counts the times
+the loop did block (the profile's ``loop_waits``). In all, a step that prefills may wait
+``wait_s`` for its reserves at the first layer and ``wait_s`` more after the pass (and per
+round of a save that found DRAM short), a decode step only after its pass.
 
 What may be saved: a block is *suspect* when its load failed, or when it was computed over a
 suspect block (vLLM's prefix cache shares blocks between requests, and a step scheduled before
@@ -27,7 +35,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +52,27 @@ log = logging.getLogger(__name__)
 
 _LATE = object()
 """A call the step stopped waiting for."""
+FINISH_CHUNKS_PER_ROUND = 8
+"""Chunks of a finished request reserved (and then copied) at once, inline."""
+FINISH_BYTES_PER_STEP = 64 << 20
+"""Bytes of finished requests' chunks copied inline at most once a step is done (a round
+begun is finished): a long request's save is spread over steps, not one long pause."""
+
+
+@dataclass
+class _Finishing:
+    """A finished request's save copied inline: chunks ``done...`` of ``save`` wait for the
+    slots ``future`` reserves."""
+
+    save: Transfer
+    done: int
+    future: Future
 
 
 class WorkerSide:
     def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
                  adapter: PageAdapter | None, agree=None, wait_s: float = 0.02,  # type: ignore[no-untyped-def]
-                 load_wait_s: float = 1.0) -> None:
+                 load_wait_s: float = 1.0, inline: bool | None = None) -> None:
         self.client = client
         self.wait_s = wait_s
         self.load_wait_s = load_wait_s
@@ -76,11 +101,30 @@ class WorkerSide:
         self._copy_failed = False
         self._leases: list[tuple[Transfer, ReadLease]] = []
         self._saves: list[WriteLease | None] | None = None
+        """The write leases of this step's saves copied layer by layer, one per planned save
+        (None: not copied so), taken at the step's first layer."""
         self._save_ids: dict[tuple[int, int], torch.Tensor] = {}
-        """The write leases of this step's saves, one per planned save (None: not saved)."""
+        self._reserving: list[Future | None] = []
+        self._reserves_sent = True
+        self._bound_at = time.monotonic()
+        """The reserves of this step's saves, sent at ``bind`` (None: not sent): in flight
+        while the forward pass runs, so no step waits a round trip for them."""
+        self._deferred: dict[int, Future] = {}
+        """Saves whose reserve was not back at the first layer: copied from vLLM's blocks,
+        every layer at once, once the forward pass is done (``wait_for_save``)."""
         self._layers_saved: set[int] = set()
         self._ended = True
+        self.inline = inline
+        """Copy the step's loads and finished requests' saves on the engine's thread, between
+        its own work, not on threads beside it -- when vLLM's KV is in host memory (there a copy
+        thread takes a core from the forward pass's threads, which all wait for the slowest;
+        on an accelerator the copies run on streams and overlap the compute). None: so when
+        the KV is in host memory; False: never. Loads between steps (``load_async``) keep a
+        thread of their own either way."""
         self._finishing = ThreadPoolExecutor(1, "kvtier-finish")
+        self._bg_calls = Calls("kvtier-finish-calls")
+        self._saving: list[_Finishing] = []
+        """Finished requests' saves copied inline (:meth:`_advance_finishes`)."""
         self._receiving = ThreadPoolExecutor(1, "kvtier-receive")
         self._done_lock = threading.Lock()
         """Guards what the background threads hand over: the sets below and ``_failed``."""
@@ -112,6 +156,8 @@ class WorkerSide:
             log.error("kvtier disabled in this worker: %s", exc)
             return
         self._copier = Copier(self.kv[0].device, len(self.kv))
+        # (an accelerator's copies are ordered by streams and events the inline path skips)
+        self.inline = self.kv[0].device.type == "cpu" and self.inline is not False
         if self.kv[0].device.type == "cuda":  # page-locked arena: device copies at full speed
             self.client.pin_arena = True
             self._bg_client.pin_arena = True
@@ -136,6 +182,20 @@ class WorkerSide:
         self._copy_failed = False
         self._layers_saved = set()
         self._ended = False
+        self._bound_at = time.monotonic()
+        self._reserving = []
+        self._reserves_sent = False
+        if not any(t.keys and not t.background for t in meta.loads):
+            self._send_reserves()  # (a step that loads sends them after its acquires)
+
+    def _send_reserves(self) -> None:
+        """Send the reserves of the step's saves, once: at ``bind``, or right after the step's
+        acquires when it loads (on the same calls' thread, in order: a reserve must not delay
+        an acquire the step waits for, nor take the DRAM slots its promotions need)."""
+        if self._reserves_sent:
+            return
+        self._reserves_sent = True
+        self._reserving = [self._send_reserve(save) for save in self._meta.saves] if self.enabled else []
 
     def start_load_kv(self) -> None:
         if self._loaded:
@@ -147,10 +207,12 @@ class WorkerSide:
                 after = self._copier.mark() if self._copier is not None else None
                 self._receiving.submit(self._load_between_steps, t, after)
         if not loads:
+            self._send_reserves()
             return
         if not self.enabled:
             for load in loads:
                 self._fail(load.lacking_ids(range(len(load.keys)), self.per_chunk))
+            self._send_reserves()
             return
         plan: list[tuple[Transfer, list[torch.Tensor]]] = []
         for load in loads:
@@ -162,8 +224,12 @@ class WorkerSide:
             missing = load.lacking_ids(range(len(views), len(load.keys)), self.per_chunk)
             if missing:  # chunks the daemon could not give (lost, or the daemon died): recomputed
                 self._fail(missing)
+        self._send_reserves()  # behind the acquires, ahead of the copies and the forward pass
         assert self._copier is not None
         self._copier.start()
+        if self.inline:  # every layer now, before the forward pass (see ``inline``)
+            self._copy_in(plan)
+            return
         self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
                                              name="kvtier-vllm-load")
         self._load_thread.start()
@@ -185,7 +251,7 @@ class WorkerSide:
                         pages = self._lacking_pages(view, layer, kv, load, j, idx)
                         copier.load(lambda k=kv, d=ids[(n, j)], p=pages: a.scatter(k, d, copier.up(p)))
                 copier.layer_done(layer)
-        except BaseException:
+        except Exception:
             self._copy_failed = True  # every block of this step's loads is reported failed
             log.exception("kvtier: copying cached KV into vLLM's blocks failed")
         finally:
@@ -206,10 +272,10 @@ class WorkerSide:
         if not self._meta.saves or not self.enabled:
             return
         assert self._copier is not None
-        if self._saves is None:  # the step's first layer: reserve the slots
+        if self._saves is None:  # the step's first layer: take the slots reserved so far
+            self._send_reserves()  # (if vLLM did not call start_load_kv before the pass)
             self._spread()  # as known now; wait_for_save decides with what the step's loads report
-            self._saves = [None if self._is_suspect(save)  # computed over blocks that never arrived
-                           else self._reserve(save, 0) for save in self._meta.saves]
+            self._saves = self._take_reserves()
             self._save_ids = {(n, j): self._copier.ids([save.block_ids[i] for i in save.blocks(j, self.per_chunk)])
                               for n, (save, lease) in enumerate(zip(self._meta.saves, self._saves, strict=True))
                               if lease is not None for j, view in enumerate(lease.views) if view is not None}
@@ -355,9 +421,20 @@ class WorkerSide:
             for w in self._meta.writes:
                 self._suspect.update(w.block_ids[w.start // self.block_size :])
         meta = self._meta
-        leases = self._saves if self._saves is not None else [None] * len(meta.saves)
-        self._saves = None
-        self._save_ids = {}
+        if self._saves is None:  # no layer took the reserves: every one is taken now
+            self._saves = [None] * len(meta.saves)
+            self._deferred = {n: f for n, f in enumerate(self._reserving) if f is not None}
+        leases = self._saves
+        # a reserve still out after the pass is waited for (its reply is most likely on the way:
+        # the engine's threads had the cores), unless a call has been running since before the
+        # step began (the daemon is stalled)
+        stalled = self._calls.stalled(time.monotonic() - self._bound_at + self.wait_s)
+        budget = 0.0 if failed or stalled else self.wait_s
+        for n, future in sorted(self._deferred.items()):
+            began = time.monotonic()
+            leases[n] = self._copy_deferred(meta.saves[n], future, failed, budget)
+            budget = max(0.0, budget - (time.monotonic() - began))
+        self._saves, self._save_ids, self._reserving, self._deferred = None, {}, [], {}
         # one flag per planned save and finish, in the plan's order, on every rank alike
         ok = [lease is not None and not failed and not self._is_suspect(save)
               for save, lease in zip(meta.saves, leases, strict=True)]
@@ -376,10 +453,77 @@ class WorkerSide:
             if len(lease.views) < len(save.keys):
                 self._save_rest(self.client, save, len(lease.views), in_step=True)
         for f, good in zip(meta.finishes, ok[len(meta.saves) :], strict=True):
-            if good:
-                self._finishing.submit(self._finish, f)
-            else:
+            if not good:
                 self._mark_done(f.req_id)  # vLLM frees its blocks: nothing of it is saved
+            elif self.inline:
+                self._saving.append(_Finishing(f, 0, self._bg_reserve(f, 0)))
+            else:
+                self._finishing.submit(self._finish, f)
+        self._advance_finishes()
+
+    # -- finished requests' saves, inline: the daemon's calls on a thread, the copies here --------
+    def _bg_reserve(self, save: Transfer, done: int) -> Future:
+        """Slots for the next round of a finished request's chunks (at most
+        :data:`FINISH_CHUNKS_PER_ROUND`: a round is copied in one step)."""
+        keys = save.keys[done : done + FINISH_CHUNKS_PER_ROUND]
+        last = done + len(keys) == len(save.keys)
+        return self._bg_calls.submit(lambda: self._bg_client.reserve(
+            keys, first=save.first_chunk + done, request=save.req_id,
+            tail_tokens=self._tail_tokens(save) if last else 0))
+
+    def _advance_finishes(self) -> None:
+        """Copy the finished requests' chunks whose slots came back (on the engine's thread,
+        after a forward pass: vLLM calls ``get_finished`` every step, empty ones included, while
+        it keeps blocks for us), at most :data:`FINISH_BYTES_PER_STEP` a call; commit them on
+        the calls' thread and reserve the next round. A request is reported done (vLLM frees
+        its blocks) once its last round is committed, or once none more can be saved (no room,
+        or the daemon is away)."""
+        if not self._saving:
+            return
+        assert self._copier is not None
+        left: list[_Finishing] = []
+        budget = FINISH_BYTES_PER_STEP
+        for f in self._saving:
+            if budget <= 0 or not f.future.done():
+                left.append(f)
+                continue
+            lease = self._bg_result(f.future)
+            if lease is None or not lease.views:
+                self._mark_done(f.save.req_id)  # no room at all now, or the daemon is away
+                continue
+            try:
+                for j, view in enumerate(lease.views):
+                    if view is None:
+                        continue
+                    blocks = [f.save.block_ids[i] for i in f.save.blocks(f.done + j, self.per_chunk)]
+                    ids = self._copier.ids(blocks)
+                    for layer, kv in enumerate(self.kv):
+                        dst = self._layer_pages(view, layer, kv, len(blocks))
+                        self._copier.save(dst, self.adapter.gather(kv, ids), background=True)
+                        budget -= dst.nbytes
+                self._copier.sync_saves(background=True)
+            except Exception:
+                log.exception("kvtier: saving finished request %s failed", f.save.req_id)
+                self._bg_calls.submit(lambda lease=lease: self._bg_client.abandon(lease))
+                self._mark_done(f.save.req_id)
+                continue
+            done = f.done + len(lease.views)
+            last = done >= len(f.save.keys)
+            rid = f.save.req_id
+            commit = self._bg_calls.submit(lambda lease=lease: self._bg_client.commit(lease))
+            if last:  # reported once committed: the next turn's lookup finds all of it
+                commit.add_done_callback(lambda _f, rid=rid: self._mark_done(rid))
+            else:
+                left.append(_Finishing(f.save, done, self._bg_reserve(f.save, done)))
+        self._saving = left
+
+    @staticmethod
+    def _bg_result(future: Future) -> WriteLease | None:
+        if future.cancelled() or future.exception() is not None:
+            if not future.cancelled():
+                log.warning("kvtier: reserving a finished request's chunks failed: %s", future.exception())
+            return None
+        return future.result()
 
     def _finish(self, save: Transfer) -> None:
         """A finished request's chunks, all layers at once, from blocks vLLM keeps for us."""
@@ -443,6 +587,90 @@ class WorkerSide:
             self._calls.submit(lambda: lease.ended or self.client.release(lease, took=[0] * len(lease.keys)))
         return got is True
 
+    def _send_reserve(self, save: Transfer) -> Future | None:
+        """Send the reserve of a planned save now (``bind``); None, the save reported skipped,
+        while the daemon is stalled."""
+        if self._calls.stalled(self.wait_s):
+            self._skipped(save, 0)
+            return None
+        return self._calls.submit(lambda: self.client.reserve(
+            save.keys, first=save.first_chunk, request=save.req_id, tail_tokens=self._tail_tokens(save)))
+
+    def _decode_only(self) -> bool:
+        """Whether every request this step computes one token (a decode step): its forward
+        pass is short, and a save's reserve is never waited for in it."""
+        return bool(self._meta.writes) and all(w.end - w.start <= 1 for w in self._meta.writes)
+
+    def _take_reserves(self) -> list[WriteLease | None]:
+        """At the first layer: the leases back already (copied layer by layer from here on);
+        a step that prefills waits for the others ``wait_s`` in all, a decode step not at all
+        -- those not back are copied after the forward pass (:meth:`_copy_deferred`)."""
+        budget = 0.0 if self._decode_only() else self.wait_s
+        out: list[WriteLease | None] = []
+        for n, (save, future) in enumerate(zip(self._meta.saves, self._reserving, strict=True)):
+            if future is None:
+                out.append(None)
+            elif self._is_suspect(save):  # computed over blocks that never arrived
+                self._calls.when_done(future, self._abandon_late)
+                out.append(None)
+            else:
+                if budget > 0 and not future.done():
+                    began = time.monotonic()
+                    self._calls.wait(future, budget, None)  # (counted; the outcome is read below)
+                    budget = max(0.0, budget - (time.monotonic() - began))
+                if not future.done():
+                    self._deferred[n] = future  # taken once the forward pass is done
+                    out.append(None)
+                elif future.cancelled() or future.exception() is not None:
+                    self._skipped(save, 0)  # the reserve failed: planned again
+                    out.append(None)
+                else:
+                    out.append(future.result())
+        return out
+
+    @staticmethod
+    def _lease_of(future: Future) -> WriteLease | None:
+        """A done reserve's lease (None: no room, or the call failed)."""
+        if future.cancelled() or future.exception() is not None:
+            return None
+        return future.result()
+
+    def _abandon_late(self, lease: WriteLease | None) -> None:
+        if lease is not None:
+            self.client.abandon(lease)
+
+    def _copy_deferred(self, save: Transfer, future: Future, failed: bool, wait_s: float) -> WriteLease | None:
+        """A save whose reserve was not back at the first layer: every layer copied now, from
+        vLLM's blocks (the forward pass is done, they hold the chunk), once it is back -- it
+        went out before the forward pass, which has most often covered its round trip; one
+        still out is waited for at most ``wait_s`` (``_end_step``'s budget: none when the
+        daemon is stalled), then reported skipped (planned again) and its lease abandoned
+        when it comes."""
+        got = self._calls.wait(future, wait_s, _LATE, late=self._abandon_late)
+        if got is _LATE:
+            self._skipped(save, 0)
+            return None
+        lease: WriteLease | None = got  # type: ignore[assignment]
+        if lease is None:
+            return None
+        if failed or self._is_suspect(save) or self._copier is None:
+            self._calls.submit(lambda: self.client.abandon(lease))
+            return None
+        for j, view in enumerate(lease.views):
+            if view is None:
+                continue
+            blocks = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
+            ids = self._copier.ids(blocks)
+            for layer, kv in enumerate(self.kv):
+                self._copier.save(self._layer_pages(view, layer, kv, len(blocks)), self.adapter.gather(kv, ids))
+        return lease
+
+    def _skipped(self, save: Transfer, done: int) -> None:
+        """A save (from chunk ``done`` on) skipped because the daemon did not answer in time:
+        reported to the scheduler, which plans it again (:meth:`take_meta`)."""
+        first = save.first_chunk + done
+        self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
+
     def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
         """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none
         now. A reserve the daemon did not answer in time is reported (:meth:`take_meta`)."""
@@ -451,8 +679,7 @@ class WorkerSide:
                                         tail_tokens=self._tail_tokens(save)),
             self.wait_s, _LATE, late=lambda lease: lease is not None and self.client.abandon(lease))
         if got is _LATE:
-            first = save.first_chunk + done
-            self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
+            self._skipped(save, done)
             return None
         return got  # type: ignore[return-value]
 
@@ -471,6 +698,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose save is done, requests whose load between steps is done)."""
+        self._advance_finishes()
         with self._done_lock:
             done, self._done = self._done, set()
             received, self._received = self._received, set()
@@ -479,4 +707,11 @@ class WorkerSide:
     def close(self) -> None:
         self._receiving.shutdown(wait=True)
         self._finishing.shutdown(wait=True)
+        for f in self._saving:  # never copied: their slots go back
+            self._bg_calls.when_done(f.future, lambda lease: lease is not None and self._bg_client.abandon(lease))
+        for future in self._reserving:  # a step that never ended
+            if future is not None:
+                self._calls.when_done(future, self._abandon_late)
+        self._saving, self._reserving = [], []
+        self._bg_calls.close()
         self._calls.close()
