@@ -115,3 +115,17 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     kv = report["workload"]["kv_bytes_per_token"]
     copied = sum(p["bytes_copied"] * p["steps"] for p in prof.values())
     assert copied >= (hits["host_tokens_taken"] + hits["disk_tokens_taken"]) * kv
+
+
+def test_a_refused_peer_is_reported_by_its_root_cause_not_the_engines_wrapper():
+    from kvtier.bench.serve import refusal
+
+    log = ("(APIServer pid=1) WARNING Found ulimit of 20000. This can cause fd limit errors like "
+           "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n\n"
+           "INFO starting\n"
+           "ERROR Traceback (most recent call last):\n"
+           "(EngineCore pid=2) RuntimeError: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert refusal(log) == ("(EngineCore pid=2) RuntimeError: CPU Offloading is currently only supported on "
+                            "CUDA-alike and XPU GPUs")
+    assert refusal("RuntimeError: Engine core initialization failed.\n").startswith("RuntimeError: Engine core")

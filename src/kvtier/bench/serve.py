@@ -85,6 +85,8 @@ class ServeBenchConfig:
     chunk_tokens: int = 256
     load_async: bool = False
     """The connector loads hits between steps (vLLM's async loading)."""
+    policy: str | None = None
+    """The kvtier daemon's placement policy (None: the daemon's default)."""
     pool_conversations: float = 2.0
     host_fraction: float = 0.25
     cpu_bind: str = "0-1"
@@ -120,6 +122,11 @@ class ServeBenchConfig:
         bad = [p for p in self.peers if p not in PEERS]
         if bad or len(set(self.peers)) != len(self.peers):
             raise ValueError(f"bench serve peers must be distinct, among {', '.join(PEERS)}; got {', '.join(self.peers)}")
+        if self.policy is not None:
+            from kvtier.core.policy import LIVE_POLICIES
+
+            if self.policy not in LIVE_POLICIES:
+                raise ValueError(f"bench serve policy must be one of {', '.join(LIVE_POLICIES)}, got {self.policy!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"bench serve repeats must be a positive integer, got {self.repeats!r}")
 
@@ -213,7 +220,7 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
     module = PROFILE_MODULE
     run = tmp / name
     if name == "kvtier":
-        store = StoreSpec(host_bytes=dram, disk_path=str(run / "ssd"), disk_bytes=ssd)
+        store = StoreSpec(host_bytes=dram, disk_path=str(run / "ssd"), disk_bytes=ssd, policy=config.policy)
     elif name in ("lmcache", "lmcache-decode"):
         from kvtier.bench.peers.lmcache import lmcache_config, lmcache_server
 
@@ -236,6 +243,22 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
                        store=store, workdir=str(run))
 
 
+_PREEMPTIONS = re.compile(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+def preemptions(base_url: str) -> int | None:
+    """vLLM's count of preempted requests so far (its ``/metrics``); None if it cannot say."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    found = _PREEMPTIONS.findall(text)
+    return int(sum(float(x) for x in found)) if found else None
+
+
 def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchConfig, work: Workload,
              progress: Callable[[str], None]) -> Run:
     progress(f"{name} (run {repeat + 1} of {config.repeats}): starting vLLM"
@@ -245,6 +268,7 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
         try:
             warm_up(url, SERVED_NAME)
             before = stack.stats() if stack.socket else None
+            preempted = preemptions(stack.url)
             progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
             t0 = time.perf_counter()
             records = run_conversations(url, SERVED_NAME, work.plans,
@@ -254,6 +278,8 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
             raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
                                 f"{stack.log_text('vllm')[-4000:]}") from exc
         stack.check()
+        after = preemptions(stack.url)
+        preempted = after - preempted if after is not None and preempted is not None else None
         delta = _kvtier_delta(before, stack.stats()) if before is not None else None
         found = _POOL_LOG.findall(stack.log_text("vllm"))
         pool = int(found[-1].replace(",", "")) if found else None
@@ -262,16 +288,22 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
         from kvtier.bench.peers.profile_report import summarize_profile
 
         profile = summarize_profile(Path(stack_cfg.vllm.profile_dir))
-    return Run(name, repeat, records, wall, pool, delta, profile)
+    return Run(name, repeat, records, wall, pool, delta, profile, preempted)
 
 
 _ERROR_LINE = re.compile(r"^.*\b(?:[A-Za-z]*Error|Exception): .*$", re.MULTILINE)
 
 
+_RAISED_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s+)?(?:[\w.]*Error|[\w.]*Exception): .*$", re.MULTILINE)
+_WRAPPER = re.compile(r"initialization failed|See root cause above|Failed core proc")
+
+
 def refusal(log_tail: str) -> str:
-    """The line of a server's log that says why it would not start (its first error line: the
-    root cause, before the engine's own "initialization failed")."""
-    lines = _ERROR_LINE.findall(log_tail)
+    """The line of a server's log that says why it would not start (its first error line that
+    is not the engine's own "initialization failed ... see root cause above": the root cause)."""
+    raised = _RAISED_LINE.findall(log_tail)  # an exception's own line, not a warning naming one
+    found = raised or _ERROR_LINE.findall(log_tail)
+    lines = [x for x in found if not _WRAPPER.search(x)] or found
     return (lines[0] if lines else log_tail.strip().splitlines()[-1] if log_tail.strip() else "?").strip()[:500]
 
 
@@ -301,7 +333,9 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
                 except ChildDied as exc:
                     if name != "offload":
                         raise
-                    refused[name] = refusal(exc.log_tail)  # the platform does not support it
+                    log_file = Path(stack_cfg.workdir) / "vllm.log"  # (the whole log: the root
+                    text = log_file.read_text(errors="replace") if log_file.exists() else exc.log_tail
+                    refused[name] = refusal(text)  # cause may lie before the tail's traceback)
                     progress(f"{name}: vLLM refused to start: {refused[name]}")
                 shutil.rmtree(tmp / name, ignore_errors=True)  # its SSD files: the next run's disk
     notes = []

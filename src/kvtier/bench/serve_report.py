@@ -18,9 +18,11 @@ from kvtier.bench.chat_client import TurnRecord
 __all__ = ["ConfigResult", "Run", "ServeBenchReport", "build_report", "summarize"]
 
 FIGURES = ("ttft_first_mean_s", "ttft_later_mean_s", "tpot_mean_s", "requests_per_s",
-           "extra_computed_later_median")
-"""Per run: mean TTFT of first and later turns, mean TPOT, requests/s, and the tokens later
-turns computed beyond their new ones (median)."""
+           "extra_computed_later_median", "preemptions")
+"""Per run: mean TTFT of first and later turns, mean TPOT, requests/s, the tokens later turns
+computed beyond their new ones (median), and the requests vLLM preempted (its pool was full:
+their KV is freed and computed again, or loaded back by a connector) -- over the whole run,
+not only the matched requests."""
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -55,6 +57,8 @@ class ConfigResult:
     """Against the first ``vllm`` run, over the matched requests."""
     turns: list[dict[str, object]] = field(default_factory=list)
     repeat: int = 0
+    preemptions: int | None = None
+    """vLLM's ``vllm:num_preemptions`` over the run (from its ``/metrics``)."""
     profile: dict[str, object] | None = None
     """The timing proxy's per-step table (:func:`kvtier.bench.peers.profile_report.summarize_profile`)."""
 
@@ -91,12 +95,14 @@ class Run:
     pool_tokens: int | None
     kvtier: dict[str, int] | None
     profile: dict[str, object] | None
+    preemptions: int | None = None
 
 
 def figures(r: ConfigResult) -> dict[str, float | None]:
     return {"ttft_first_mean_s": r.ttft_first_s["mean"], "ttft_later_mean_s": r.ttft_later_s["mean"],
             "tpot_mean_s": r.tpot_mean_s, "requests_per_s": r.requests_per_s,
-            "extra_computed_later_median": r.extra_computed_later["median"]}
+            "extra_computed_later_median": r.extra_computed_later["median"],
+            "preemptions": r.preemptions}
 
 
 def spread(xs: Sequence[float | None]) -> dict[str, object]:
@@ -142,7 +148,7 @@ def build_report(config: dict[str, object], workload: dict[str, object], runs: l
     for run in runs:
         records = [r for r in run.records if (r.conversation, r.turn) in matched]
         result = summarize(run.name, records, run.wall_s, run.pool_tokens, run.kvtier)
-        result.repeat, result.profile = run.repeat, run.profile
+        result.repeat, result.profile, result.preemptions = run.repeat, run.profile, run.preemptions
         replies = {(r.conversation, r.turn): r.reply for r in records}
         if base is None and run.name == "vllm":
             base = replies

@@ -284,6 +284,9 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Parent of the temporary directory (SSD tier, logs). Default: $TMPDIR or /tmp.")
 @click.option("--load-async", is_flag=True, help="The connector loads hits between steps (vLLM's async loading).")
+@click.option("--policy", default=None,
+              help="The kvtier daemon's placement policy (lru, fifo, attentionstore, cost, returns) "
+                   "[default: the daemon's].")
 @click.option("--peers", default="", show_default=False,
               help="Peers to run beside kvtier, comma-separated: lmcache, lmcache-decode, offload.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
@@ -296,8 +299,8 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
 def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
-                cpu_bind: str, directory: str | None, load_async: bool, peers: str, repeats: int,
-                profile: bool, lmcache_python: str | None, as_json: bool) -> None:
+                cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, peers: str,
+                repeats: int, profile: bool, lmcache_python: str | None, as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
     (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD) and its peers
     (``--peers``: LMCache, LMCache saving decoded tokens, vLLM's OffloadingConnector), one after
@@ -311,7 +314,7 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
             think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
             pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
-            directory=directory, load_async=load_async,
+            directory=directory, load_async=load_async, policy=policy,
             peers=tuple(p.strip() for p in peers.split(",") if p.strip()), repeats=repeats,
             profile=profile, lmcache_python=lmcache_python)
     except ValueError as exc:
@@ -705,7 +708,8 @@ def _print_serve(report: ServeBenchReport) -> None:
         table.add_column(name, justify="right")
     shown = (("TTFT first turns ms", "ttft_first_mean_s", ms), ("TTFT later turns ms", "ttft_later_mean_s", ms),
              ("TPOT ms", "tpot_mean_s", ms), ("requests/s", "requests_per_s", lambda x: num(x, ".3f")),
-             ("later turns: computed beyond new tokens", "extra_computed_later_median", lambda x: num(x, ".0f")))
+             ("later turns: computed beyond new tokens", "extra_computed_later_median", lambda x: num(x, ".0f")),
+             ("requests vLLM preempted", "preemptions", lambda x: num(x, ".0f")))
     for label, key, fmt in shown:
         cells = []
         for name in names:
@@ -753,6 +757,9 @@ def _print_profile(console: Console, name: str, profile: dict) -> None:  # type:
     row("daemon round trips (step's connection)", lambda p: f"{p['round_trips']:.2f}")
     row("steps with a round trip", lambda p: str(p["steps_with_round_trips"]))
     row("round trip ms", lambda p: "-" if p["round_trip_ms"] is None else f"{p['round_trip_ms']:.2f}")
+    row("engine loop waits on the daemon", lambda p: f"{p.get('loop_waits', 0):.3f}")
+    row("steps in which the loop waited", lambda p: str(p.get("steps_with_loop_waits", 0)))
+    row("loop wait ms", lambda p: f"{p.get('loop_wait_ms', 0):.3f}")
     row("background round trips", lambda p: f"{p['background_round_trips']:.2f}")
     row("bytes copied", lambda p: f"{p['bytes_copied'] / 1e6:.2f} MB")
     console.print(table)

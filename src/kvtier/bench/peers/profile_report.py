@@ -5,7 +5,9 @@ For each kind (``decode``: every scheduled request computes one token; ``prefill
 request computes more), per step on average: the time in each scheduler-side and worker-side
 hook, the worker's span (``bind_connector_metadata`` to ``clear_connector_metadata``: the
 forward pass with the hooks in it), daemon round trips (on the step's connection and in the
-background) and their latency, bytes copied; and the share of the step's time (span plus the
+background) and their latency, the times the engine loop blocked on a daemon call
+(``loop_waits``: a connector's calls may run on threads of their own) and the milliseconds it
+blocked per step, bytes copied; and the share of the step's time (span plus the
 scheduler hooks) that all hooks together take, as a ratio of sums over the steps.
 """
 
@@ -53,8 +55,8 @@ def summarize_profile(directory: Path) -> dict[str, object]:
         sched_hooks: dict[str, float] = {}
         work_hooks: dict[str, float] = {}
         span = hooks_total = 0.0
-        trips = trips_s = bg_trips = bg_s = moved = 0.0
-        with_trips = 0
+        trips = trips_s = bg_trips = bg_s = moved = waits = wait_s = 0.0
+        with_trips = with_waits = 0
         for w, s in steps:
             step_sched, step_work = _hook_s(s), _hook_s(w)
             for name, sec in step_sched.items():
@@ -67,6 +69,10 @@ def summarize_profile(directory: Path) -> dict[str, object]:
             trips += step_trips
             with_trips += step_trips > 0
             trips_s += _counter(s, "round_trip_s") + _counter(w, "round_trip_s")
+            step_waits = _counter(s, "loop_waits") + _counter(w, "loop_waits")
+            waits += step_waits
+            with_waits += step_waits > 0
+            wait_s += _counter(s, "loop_wait_s") + _counter(w, "loop_wait_s")
             bg_trips += _counter(s, "background_round_trips") + _counter(w, "background_round_trips")
             bg_s += _counter(s, "background_round_trip_s") + _counter(w, "background_round_trip_s")
             moved += _counter(w, "loaded_bytes") + _counter(w, "saved_bytes")
@@ -81,6 +87,9 @@ def summarize_profile(directory: Path) -> dict[str, object]:
             "round_trips": trips / n,
             "steps_with_round_trips": with_trips,
             "round_trip_ms": 1000 * trips_s / trips if trips else None,
+            "loop_waits": waits / n,
+            "steps_with_loop_waits": with_waits,
+            "loop_wait_ms": 1000 * wait_s / n,
             "background_round_trips": bg_trips / n,
             "background_round_trip_ms": 1000 * bg_s / bg_trips if bg_trips else None,
             "bytes_copied": moved / n,
