@@ -492,15 +492,7 @@ class WorkerSide:
                 self._mark_done(f.save.req_id)  # no room at all now, or the daemon is away
                 continue
             try:
-                for j, view in enumerate(lease.views):
-                    if view is None:
-                        continue
-                    blocks = [f.save.block_ids[i] for i in f.save.blocks(f.done + j, self.per_chunk)]
-                    ids = self._copier.ids(blocks)
-                    for layer, kv in enumerate(self.kv):
-                        dst = self._layer_pages(view, layer, kv, len(blocks))
-                        self._copier.save(dst, self.adapter.gather(kv, ids), background=True)
-                        budget -= dst.nbytes
+                budget -= self._copy_whole(f.save, f.done, lease, background=True)
                 self._copier.sync_saves(background=True)
             except Exception:
                 log.exception("kvtier: saving finished request %s failed", f.save.req_id)
@@ -550,14 +542,7 @@ class WorkerSide:
                 tail_tokens=self._tail_tokens(save))
             if lease is None or not lease.views:
                 return  # no room at all now (everything pinned), or the daemon is away
-            for j, view in enumerate(lease.views):
-                if view is None:
-                    continue
-                blocks = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
-                ids = self._copier.ids(blocks)  # once a chunk, not once a layer
-                for layer, kv in enumerate(self.kv):
-                    dst = self._layer_pages(view, layer, kv, len(blocks))
-                    self._copier.save(dst, self.adapter.gather(kv, ids), background=True)
+            self._copy_whole(save, done, lease, background=True)
             self._copier.sync_saves(background=True)
             if in_step:
                 self._calls.submit(lambda lease=lease: client.commit(lease))
@@ -628,13 +613,6 @@ class WorkerSide:
                     out.append(future.result())
         return out
 
-    @staticmethod
-    def _lease_of(future: Future) -> WriteLease | None:
-        """A done reserve's lease (None: no room, or the call failed)."""
-        if future.cancelled() or future.exception() is not None:
-            return None
-        return future.result()
-
     def _abandon_late(self, lease: WriteLease | None) -> None:
         if lease is not None:
             self.client.abandon(lease)
@@ -656,14 +634,24 @@ class WorkerSide:
         if failed or self._is_suspect(save) or self._copier is None:
             self._calls.submit(lambda: self.client.abandon(lease))
             return None
+        self._copy_whole(save, 0, lease)
+        return lease
+
+    def _copy_whole(self, save: Transfer, done: int, lease: WriteLease, background: bool = False) -> int:
+        """Copy chunks ``done...`` of ``save`` into ``lease``'s slots, every layer at once, from
+        vLLM's blocks (their KV is computed); the bytes copied."""
+        assert self._copier is not None
+        copied = 0
         for j, view in enumerate(lease.views):
             if view is None:
                 continue
-            blocks = [save.block_ids[i] for i in save.blocks(j, self.per_chunk)]
-            ids = self._copier.ids(blocks)
+            blocks = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
+            ids = self._copier.ids(blocks)  # once a chunk, not once a layer
             for layer, kv in enumerate(self.kv):
-                self._copier.save(self._layer_pages(view, layer, kv, len(blocks)), self.adapter.gather(kv, ids))
-        return lease
+                dst = self._layer_pages(view, layer, kv, len(blocks))
+                self._copier.save(dst, self.adapter.gather(kv, ids), background=background)
+                copied += dst.nbytes
+        return copied
 
     def _skipped(self, save: Transfer, done: int) -> None:
         """A save (from chunk ``done`` on) skipped because the daemon did not answer in time:
