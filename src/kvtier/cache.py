@@ -216,15 +216,19 @@ class ChunkCache:
 
     # -- requests (the policies' notion of a use) ---------------------------------------------
     def queued(self, request_id: str, keys: Sequence[ChunkKey], *, entry: Shape | None = None,
-               wait: bool = True, tenant: str | None = None) -> int:
+               wait: bool = True, tenant: str | None = None, prefetch: bool = True) -> int:
         """A request arrived and waits to be served; it will need ``keys`` (a prefix). It gets
         the next number in arrival order, the policies with a look-ahead hear of it, and its
-        held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background).
-        Returns how many were promoted (0 when not waited for)."""
+        held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background;
+        not with ``prefetch=False``: a scheduler that promotes a request's chunks itself when
+        it comes to the head of its queue). Returns how many were promoted (0 when not waited
+        for)."""
         with self._section:
             seq = self._requests.queued(request_id)
             if self.placement.lookahead:
                 self.placement.hint(seq, list(keys), time.monotonic())
+        if not prefetch:
+            return 0
         return self.prefetch(keys, use=seq, entry=entry, wait=wait, tenant=tenant)
 
     def started(self, request_id: str) -> int:

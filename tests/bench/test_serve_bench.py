@@ -102,10 +102,11 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     # step hook of both sides timed, the daemon's round trips and the bytes copied counted
     assert vllm["profile"] is None
     prof = kvtier["profile"]
-    assert set(prof) == {"decode", "prefill"}
+    assert {"decode", "prefill"} <= set(prof) <= {"decode", "decode, nothing moved", "prefill"}
     for kind in ("decode", "prefill"):
         p = prof[kind]
         assert p["steps"] > 0 and p["span_ms"] > 0 and 0 < p["hooks_share"] < 1
+        assert 0 < p["hooks_net_ms"] < p["hooks_ms"]  # the proxy's own cost taken out, not all of it
         assert {"build_connector_meta", "update_connector_output"} <= set(p["scheduler_hooks_ms"])
         assert {"bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save",
                 "clear_connector_metadata"} <= set(p["worker_hooks_ms"])
@@ -113,7 +114,10 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     assert prof["prefill"]["round_trips"] > 0 and prof["prefill"]["round_trip_ms"] > 0
     # every byte vLLM took from kvtier was copied in by a profiled step, and saves were copied out
     kv = report["workload"]["kv_bytes_per_token"]
-    copied = sum(p["bytes_copied"] * p["steps"] for p in prof.values())
+    copied = sum(prof[k]["bytes_copied"] * prof[k]["steps"] for k in ("decode", "prefill"))
+    quiet = prof.get("decode, nothing moved")
+    if quiet is not None:  # a decode step with nothing to load or save: the loop never waits in it
+        assert quiet["bytes_copied"] == 0 and quiet["loop_waits"] == 0 and quiet["steps"] <= prof["decode"]["steps"]
     assert copied >= (hits["host_tokens_taken"] + hits["disk_tokens_taken"]) * kv
 
 

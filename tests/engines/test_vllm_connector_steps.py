@@ -446,7 +446,10 @@ def test_a_waiting_request_asked_about_every_step_is_looked_up_once_a_second(sch
     for _ in range(50):  # vLLM's scheduler, while the request waits for blocks
         sched.get_num_new_matched_tokens(r, 0)
     assert len(calls) == 1
-    sched.get_num_new_matched_tokens(r, BLOCK)  # vLLM's own cache changed: asked again
+    sched.get_num_new_matched_tokens(r, BLOCK)  # vLLM found a block itself: the answer serves
+    assert len(calls) == 1
+    sched.get_num_new_matched_tokens(r, 0)  # vLLM lost it again: asked anew (its tail may differ)
+    sched.get_num_new_matched_tokens(r, BLOCK)
     assert len(calls) == 2
     monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
     gate = threading.Event()
@@ -579,3 +582,56 @@ def test_pending_block_frees_buy_one_step_per_finished_request_and_end_with_its_
     assert sched.request_finished(r2, list(range(20, 23)))
     monkeypatch.setattr(scheduler, "PENDING_FREE_S", 0.0)  # a save slower than that: vLLM preempts
     assert not sched.has_pending_block_frees()
+
+
+def test_a_request_is_looked_up_on_arrival_and_a_running_batch_never_waits_for_it(sched, monkeypatch):
+    gate = threading.Event()
+    asked: list[int] = []
+
+    def lookup(keys, **kw):
+        asked.append(len(keys))
+        gate.wait(5)
+        return ["host"] * len(keys)
+
+    monkeypatch.setattr(sched.client, "lookup_keys", lookup)
+    monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
+    busy = SimpleNamespace(req_id="B", block_ids=([1],), num_computed_tokens=0)
+    sched.build_connector_meta(output([busy], scheduled={"B": 1}))  # a request runs
+    r = request("R", range(3 * CHUNK + 1))
+    sched.on_new_request(r)  # vLLM's add_request: the lookup goes out now, for no local tokens
+    waits = sched._calls.waits
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)  # not back: the request waits a step
+    assert sched._calls.waits == waits  # and the running batch did not wait for the daemon at all
+    gate.set()
+    assert sched._calls.drain(5)
+    assert asked == [3]  # one lookup, the arrival's
+    # vLLM's own prefix cache now has a chunk of it: the arrival's answer serves, for the rest
+    assert sched.get_num_new_matched_tokens(r, CHUNK) == (2 * CHUNK, False)
+    assert asked == [3] and sched._calls.waits == waits
+    sched.update_state_after_alloc(r, blocks_of(range(10, 17)), 2 * CHUNK)
+    load = sched.build_connector_meta(output()).loads[0]
+    assert (load.first_chunk, load.skip_blocks, len(load.keys)) == (1, 2, 2)  # chunks 1-2 only
+
+
+def test_a_request_waiting_at_the_queues_head_has_its_ssd_chunks_promoted_once(sched, monkeypatch):
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: ["host", "disk"][: len(keys)])
+    monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
+    promoted: list[list[bytes]] = []
+    monkeypatch.setattr(sched._hint_client, "prefetch", lambda keys, **kw: promoted.append(list(keys)) or 0)
+    monkeypatch.setattr(sched._hint_client, "queued", lambda *a, **kw: 0)
+    r = request("R", range(2 * CHUNK + 1))
+    while (first := sched.get_num_new_matched_tokens(r, 0))[0] is None:  # (a slow machine)
+        time.sleep(0.01)
+    assert first == (2 * CHUNK, False)
+    sched._hints.submit(lambda: None).result(5)
+    assert promoted == []  # scheduled at once, perhaps: its acquire promotes what it needs
+    for _ in range(5):  # asked again and again: it waits for blocks at the queue's head
+        assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)
+    sched._hints.submit(lambda: None).result(5)
+    assert promoted == [sched._lookups["R"].keys]  # once, with the chunk on SSD in it
+    only_host = request("H", range(2 * CHUNK + 1))
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: ["host"] * len(keys))
+    for _ in range(3):
+        sched.get_num_new_matched_tokens(only_host, 0)
+    sched._hints.submit(lambda: None).result(5)
+    assert len(promoted) == 1  # all of it in DRAM already: nothing to promote

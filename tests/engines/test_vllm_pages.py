@@ -62,3 +62,18 @@ def test_an_unknown_backend_is_named_and_formats_differ_per_backend_and_shard():
         adapter_for("SOMETHING_NEW")
     formats = {page_format(b, "float32", 16) for b in ADAPTERS} | {page_format("CPU_ATTN", "float32", 16, 1, 2)}
     assert len(formats) == len(ADAPTERS) + 1
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASHINFER", "FLASH_ATTN"])
+def test_a_save_copies_straight_into_the_slot_when_the_block_dim_is_first(backend):
+    from kvtier.engines.vllm.copies import Copier
+
+    a = adapter_for(backend)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
+    kv = torch.randn(a.shape(6, 4, lay))
+    ids = torch.tensor([4, 1])
+    slot = torch.zeros(2 * a.page_bytes(kv), dtype=torch.uint8)
+    dst = a.pages(slot, kv, 2)
+    Copier(kv.device, 1).save_pages(dst, kv, a, ids)
+    assert torch.equal(dst, a.gather(kv, ids))  # the same bytes as a gather and a copy
+    assert a.gather_into(kv, ids, dst) == (a.block_dim == 0)

@@ -223,6 +223,8 @@ def test_a_queued_request_is_prefetched_from_ssd_by_the_daemon(tmp_path):
     client.save(list(range(n)), make_kv(LAYOUT, n, seed=3))
     keys = client.keys_for(list(range(8 * C)))
     assert client.lookup(list(range(8 * C))).tiers == ["host"] * 4 + ["disk"] * 4
+    assert client.queued("req-0", keys, wait=True, prefetch=False) == 0  # heard of, nothing moved
+    assert client.lookup(list(range(8 * C))).tiers == ["host"] * 4 + ["disk"] * 4
     assert client.queued("req-1", keys, wait=True) == 4
     client.started("req-1")
     assert client.lookup(list(range(8 * C))).tiers == ["host"] * 8

@@ -750,6 +750,9 @@ def _print_profile(console: Console, name: str, profile: dict) -> None:  # type:
     row("step (forward span + scheduler hooks) ms", lambda p: f"{p['span_ms'] + sum(p['scheduler_hooks_ms'].values()):.2f}")
     row("all hooks ms", lambda p: f"{p['hooks_ms']:.3f}")
     row("share of step time in hooks", lambda p: "-" if p["hooks_share"] is None else f"{100 * p['hooks_share']:.2f}%")
+    row("all hooks ms, net of the proxy", lambda p: f"{p.get('hooks_net_ms', p['hooks_ms']):.3f}")
+    row("share, net of the proxy", lambda p: "-" if p.get("hooks_net_share") is None
+        else f"{100 * p['hooks_net_share']:.2f}%")
     hooks = sorted({(side, h) for p in profile.values() for side in ("scheduler", "worker")
                     for h in p[f"{side}_hooks_ms"]})
     for side, h in hooks:

@@ -485,12 +485,13 @@ class StoreClient:
             return 0
 
     def queued(self, request_id: str, keys: Sequence[ChunkKey], *, wait: bool = False,
-               tenant: str | None = None) -> int:
-        """A request waits to be served: the daemon's policies hear of it and its held chunks
-        are prefetched into DRAM (:meth:`kvtier.cache.ChunkCache.queued`). 0 if unavailable."""
+               tenant: str | None = None, prefetch: bool = True) -> int:
+        """A request waits to be served: the daemon's policies hear of it and, unless not
+        ``prefetch``, its held chunks are prefetched into DRAM
+        (:meth:`kvtier.cache.ChunkCache.queued`). 0 if unavailable."""
         try:
             _, reply = self._link.call("queued", self._wait_timeout(wait), request_id=request_id,
-                                       keys=list(keys), wait=wait, tenant=tenant)
+                                       keys=list(keys), wait=wait, tenant=tenant, prefetch=prefetch)
             return int(reply.get("promoted", 0))  # type: ignore[call-overload]
         except DaemonUnavailable as exc:
             self._failed("queued", exc)

@@ -231,10 +231,11 @@ def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     if not request_id:
         raise BadRequest("queued needs a request_id")
     wait = req.get("wait", False) is True
+    prefetch = req.get("prefetch", True) is not False
     assert daemon.cache is not None
     name = daemon.request_name(session, request_id)
     return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait,  # type: ignore[arg-type]
-                                                        tenant=tenant)}
+                                                        tenant=tenant, prefetch=prefetch)}
 
 def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")

@@ -8,7 +8,11 @@ forward pass with the hooks in it), daemon round trips (on the step's connection
 background) and their latency, the times the engine loop blocked on a daemon call
 (``loop_waits``: a connector's calls may run on threads of their own) and the milliseconds it
 blocked per step, bytes copied; and the share of the step's time (span plus the
-scheduler hooks) that all hooks together take, as a ratio of sums over the steps.
+scheduler hooks) that all hooks together take, as a ratio of sums over the steps. The same
+two figures net of the proxy's own cost (its ``probe_s`` per hook call, taken out of each
+hook's time) say what the connector itself costs. ``decode, nothing moved`` is the decode
+steps that copied no byte (nothing loaded or saved in them): the steps a connector should
+not be seen in.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 __all__ = ["summarize_profile"]
 
-KINDS = ("decode", "prefill")
+KINDS = ("decode", "decode, nothing moved", "prefill")
 
 
 def _lines(directory: Path, side: str) -> list[dict[str, object]]:
@@ -37,6 +41,17 @@ def _hook_s(line: dict[str, object] | None) -> dict[str, float]:
     return {name: float(v[0]) for name, v in hooks.items()}  # type: ignore[union-attr]
 
 
+def _net_s(line: dict[str, object] | None) -> float:
+    """The line's hook seconds net of the proxy's cost (never below nothing per hook)."""
+    hooks = (line or {}).get("hooks") or {}
+    probe = float((line or {}).get("probe_s") or 0.0)  # type: ignore[arg-type]
+    return sum(max(0.0, float(v[0]) - probe * int(v[1])) for v in hooks.values())  # type: ignore[union-attr]
+
+
+def _moved(w: dict[str, object]) -> float:
+    return _counter(w, "loaded_bytes") + _counter(w, "saved_bytes")
+
+
 def _counter(line: dict[str, object] | None, name: str) -> float:
     return float(((line or {}).get("counters") or {}).get(name, 0))  # type: ignore[union-attr]
 
@@ -48,13 +63,17 @@ def summarize_profile(directory: Path) -> dict[str, object]:
     workers = [x for x in _lines(directory, "worker") if int(x.get("step", 0)) > 0]  # type: ignore[arg-type]
     out: dict[str, object] = {}
     for kind in KINDS:
-        steps = [(w, scheduler.get(int(w["step"]))) for w in workers if w.get("kind") == kind]  # type: ignore[arg-type]
+        if kind == "decode, nothing moved":
+            steps = [(w, scheduler.get(int(w["step"]))) for w in workers  # type: ignore[arg-type]
+                     if w.get("kind") == "decode" and not _moved(w)]
+        else:
+            steps = [(w, scheduler.get(int(w["step"]))) for w in workers if w.get("kind") == kind]  # type: ignore[arg-type]
         if not steps:
             continue
         n = len(steps)
         sched_hooks: dict[str, float] = {}
         work_hooks: dict[str, float] = {}
-        span = hooks_total = 0.0
+        span = hooks_total = net_total = 0.0
         trips = trips_s = bg_trips = bg_s = moved = waits = wait_s = 0.0
         with_trips = with_waits = 0
         for w, s in steps:
@@ -65,6 +84,7 @@ def summarize_profile(directory: Path) -> dict[str, object]:
                 work_hooks[name] = work_hooks.get(name, 0.0) + sec
             span += float(w["span_s"])  # type: ignore[arg-type]
             hooks_total += sum(step_sched.values()) + sum(step_work.values())
+            net_total += _net_s(s) + _net_s(w)
             step_trips = _counter(s, "round_trips") + _counter(w, "round_trips")
             trips += step_trips
             with_trips += step_trips > 0
@@ -75,7 +95,7 @@ def summarize_profile(directory: Path) -> dict[str, object]:
             wait_s += _counter(s, "loop_wait_s") + _counter(w, "loop_wait_s")
             bg_trips += _counter(s, "background_round_trips") + _counter(w, "background_round_trips")
             bg_s += _counter(s, "background_round_trip_s") + _counter(w, "background_round_trip_s")
-            moved += _counter(w, "loaded_bytes") + _counter(w, "saved_bytes")
+            moved += _moved(w)
         sched_total = sum(sched_hooks.values())
         out[kind] = {
             "steps": n,
@@ -84,6 +104,8 @@ def summarize_profile(directory: Path) -> dict[str, object]:
             "worker_hooks_ms": {k: 1000 * v / n for k, v in sorted(work_hooks.items())},
             "hooks_ms": 1000 * hooks_total / n,
             "hooks_share": hooks_total / (span + sched_total) if span + sched_total else None,
+            "hooks_net_ms": 1000 * net_total / n,
+            "hooks_net_share": net_total / (span + sched_total) if span + sched_total else None,
             "round_trips": trips / n,
             "steps_with_round_trips": with_trips,
             "round_trip_ms": 1000 * trips_s / trips if trips else None,

@@ -156,6 +156,18 @@ class Copier:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
+    def save_pages(self, dst: torch.Tensor, kv: torch.Tensor, adapter, ids: torch.Tensor,  # type: ignore[no-untyped-def]
+                   background: bool = False) -> None:
+        """Copy pages ``ids`` of ``kv`` into host slot ``dst``: on CPU in one pass, straight into
+        the slot (``adapter.gather_into``); else gathered, then copied as :meth:`save` does."""
+        if not self.cuda and adapter.gather_into(kv, ids, dst):
+            if background:
+                self.saved_bg_bytes += dst.nbytes
+            else:
+                self.saved_bytes += dst.nbytes
+            return
+        self.save(dst, adapter.gather(kv, ids), background=background)
+
     def sync_saves(self, background: bool = False) -> None:
         """Every save copy has landed: the write lease may be committed."""
         if self.cuda:

@@ -64,6 +64,15 @@ class PageAdapter:
         """Pages ``block_ids`` of ``kv`` as ``[n, *page]`` (a new tensor)."""
         return kv.index_select(self.block_dim, block_ids).movedim(self.block_dim, 0)
 
+    def gather_into(self, kv: torch.Tensor, block_ids: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Copy pages ``block_ids`` of ``kv`` straight into ``dst`` (``[n, *page]``, contiguous,
+        on ``kv``'s device) in one pass, when the block dimension is the first (no temporary);
+        False, nothing copied, otherwise (then :meth:`gather` and a copy)."""
+        if self.block_dim != 0 or dst.device != kv.device or not dst.is_contiguous():
+            return False
+        torch.index_select(kv, 0, block_ids, out=dst)
+        return True
+
     def scatter(self, kv: torch.Tensor, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
         """Write ``pages`` (``[n, *page]``) into blocks ``block_ids`` of ``kv``."""
         kv.index_copy_(self.block_dim, block_ids, pages.movedim(0, self.block_dim).to(kv.device))

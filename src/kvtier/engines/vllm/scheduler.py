@@ -22,14 +22,18 @@ daemon counts the lookup and its policy sees the chunks touched (under the reque
 request looked up twice is one use).
 
 vLLM's engine loop never waits on the daemon for long (:mod:`.calls`), and never while requests
-run: a lookup runs on a thread of its own; the loop waits for a request's first answer only
-while no request is running, and at most ``wait_s`` (20 ms by default) in a step. One not back
-then is asked about again at the next step (vLLM's "not determined yet": the request waits, the
-others run), and is a miss once ``lookup_deadline_s`` has passed since it was made; while the
-daemon has not answered a call for longer than ``lookup_deadline_s`` (it is stalled), new
-requests miss at once without a call. A request asked about again (it waits for blocks) gets
-its last answer at once, refreshed in the background. Hints (queued, started, finished) go out on another thread and are dropped,
-counted, while :data:`MAX_HINTS` of them wait.
+run: a lookup runs on a thread of its own, sent when the request arrives (``on_new_request``,
+for no local tokens: it answers whatever vLLM's own prefix cache then holds); the loop waits
+for a request's first answer only while no request is running, and at most ``wait_s`` (20 ms by
+default) in a step. One not back then is asked about again at the next step (vLLM's "not
+determined yet": the request waits, the others run), and is a miss once ``lookup_deadline_s``
+has passed since it was made; while the daemon has not answered a call for longer than
+``lookup_deadline_s`` (it is stalled), new requests miss at once without a call. A request
+asked about again (it waits for blocks at the head of the queue) gets its last answer at once,
+refreshed in the background, and its chunks below DRAM are promoted into DRAM then, once, so
+the step that loads it does not wait for SSD. Hints (queued, started, finished, those
+promotions) go out on another thread and are dropped, counted, while :data:`MAX_HINTS` of them
+wait.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
 from kvtier.engines.vllm.calls import Calls
@@ -56,10 +60,6 @@ PENDING_FREE_S = 0.5
 """How long after a request finished its save's blocks count as about to be freed
 (``has_pending_block_frees``); a save slower than that (a stalled daemon) lets vLLM preempt as
 it would."""
-BUSY_WAIT_S = 0.002
-"""How long the engine loop waits inline for a new request's first lookup while others run: a
-daemon that answers at once (it usually does, in well under that) costs the new request no
-step, and the running ones at most this."""
 LOOKUP_REUSE_S = 1.0
 """How old a waiting request's answer may be before it is refreshed in the background while
 vLLM asks again each step (the daemon is asked once a second at most, not every step, and the
@@ -99,6 +99,19 @@ class _Lookup:
     at: float = 0.0
     """When (``time.monotonic``): a request waiting for blocks is asked about every step,
     and the answer is reused for :data:`LOOKUP_REUSE_S`."""
+
+    def at_local(self, local: int) -> _Lookup:
+        """This answer for a request vLLM now has ``local`` tokens of (see :func:`_serves`)."""
+        return self if local == self.local else replace(self, local=local)
+
+
+def _serves(num_tokens: int, local: int, n: int, num_computed_tokens: int) -> bool:
+    """Whether a lookup made for ``num_tokens`` tokens of which vLLM had ``local`` answers one
+    for ``n`` of which it has ``num_computed_tokens``: the same tokens, and vLLM has at least as
+    many (a lookup probes the partial chunk past every local hit it was made for, so one made
+    for fewer local tokens -- the lookup sent when the request arrived, for none -- found all a
+    later one would)."""
+    return num_tokens == n and local <= num_computed_tokens
 
 
 @dataclass
@@ -163,6 +176,8 @@ class SchedulerSide:
         save holds its blocks (each buys one step of waiting instead of one preemption)."""
         self._busy = False
         """Whether the last step computed anything (requests are running)."""
+        self._promoted: set[str] = set()
+        """Waiting requests whose chunks were promoted into DRAM (:meth:`_promote_waiting`)."""
 
     # -- keys ----------------------------------------------------------------------------------
     def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
@@ -219,12 +234,12 @@ class SchedulerSide:
             return 0, False  # (a request whose load failed is computed, not offered it again)
         now = time.monotonic()
         pending = self._pending.get(rid)
-        if pending is not None and (pending.num_tokens, pending.local) != (n, num_computed_tokens):
+        if pending is not None and not _serves(pending.num_tokens, pending.local, n, num_computed_tokens):
             pending.future.cancel()  # asked about other tokens now: that answer is of no use
             del self._pending[rid]
             pending = None
         seen = self._lookups.get(rid)
-        if seen is not None and (seen.num_tokens, seen.local) == (n, num_computed_tokens):
+        if seen is not None and _serves(seen.num_tokens, seen.local, n, num_computed_tokens):
             # asked again (the request waits for blocks): the last answer, never a wait; it is
             # refreshed in the background once it is LOOKUP_REUSE_S old (chunks saved since --
             # the last turn's tail -- are found; a chunk evicted meanwhile is a failed load,
@@ -234,6 +249,7 @@ class SchedulerSide:
                 fresh = self._result(pending.future) if pending.future.done() else None
                 if fresh is not None:
                     seen = self._lookups[rid] = fresh
+                    self._promote_waiting(rid, fresh)
                 elif not pending.future.done() or now - seen.at >= 2 * LOOKUP_REUSE_S:
                     # the daemon is stalled, or the answer is too old to trust: a miss now
                     pending.future.cancel()
@@ -248,18 +264,21 @@ class SchedulerSide:
                     self.lookups_missed += 1
                     return 0, False
                 self._submit(rid, request, n, num_computed_tokens, now)
+            self._promote_waiting(rid, seen)  # asked again: it waits at the queue's head
+            seen = self._lookups[rid] = seen.at_local(num_computed_tokens)
             return self._external(seen, num_computed_tokens)
         if pending is None:
             if self._calls.stalled(self.lookup_deadline_s) or len(self._pending) >= MAX_PENDING_LOOKUPS:
                 self.lookups_missed += 1  # a call has been waiting longer than this one may:
                 return 0, False           # the daemon is stalled, a miss now without a call
             pending = self._submit(rid, request, n, num_computed_tokens, now)
-        # The first answer for these tokens. The loop waits for it inline ``wait_s`` in all for
-        # a step however many requests wait while no request runs (nobody else's step is
-        # delayed), BUSY_WAIT_S while some do, and not at all while a call is already late;
-        # an answer not back then is taken at the next step (vLLM's "not determined yet": this
-        # request waits one step, the running ones are not delayed by a daemon round trip).
-        bound = BUSY_WAIT_S if self._busy else self.wait_s
+        # The first answer for these tokens (asked for when the request arrived: most often
+        # back already). While no request runs the loop waits for it inline ``wait_s`` in all
+        # for a step however many requests wait (nobody else's step is delayed); while some
+        # run, and while a call is already late, not at all: an answer not back is taken at
+        # the next step (vLLM's "not determined yet": this request waits one step, and no
+        # running request's step ever waits on a daemon round trip).
+        bound = 0.0 if self._busy else self.wait_s
         wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, bound - self._step_waited)
         began = time.monotonic()
         found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
@@ -273,7 +292,7 @@ class SchedulerSide:
                 return 0, False
             return None, False  # not determined yet: vLLM asks again at its next step
         del self._pending[rid]
-        self._lookups[rid] = found
+        found = self._lookups[rid] = found.at_local(num_computed_tokens)
         return self._external(found, num_computed_tokens)
 
     def _external(self, found: _Lookup, num_computed_tokens: int) -> tuple[int, bool]:
@@ -320,6 +339,7 @@ class SchedulerSide:
         rid = str(request.request_id)
         found = self._lookups.pop(rid, None)
         self._forget_pending(rid)
+        self._promoted.discard(rid)
         tr = self._tracked.get(rid)
         if tr is None:
             tr = self._tracked[rid] = _Tracked(request)
@@ -431,6 +451,7 @@ class SchedulerSide:
         rid = str(request.request_id)
         self._lookups.pop(rid, None)
         self._forget_pending(rid)
+        self._promoted.discard(rid)
         self._sources.pop(rid, None)
         self._loading.pop(rid, None)
         self._load_failed.discard(rid)
@@ -515,6 +536,32 @@ class SchedulerSide:
             return
         rid, tokens = str(request.request_id), list(request.all_token_ids)[:-1]
         self._hint_later(self._queued, request, rid, tokens)
+        # its lookup goes out now, for no local tokens (it serves any local hit vLLM then
+        # finds: :func:`_serves`): by the step that first asks, the answer is most often back,
+        # and no running request's step waits for it
+        n = len(tokens)
+        if n >= self.block_size and rid not in self._pending and rid not in self._lookups \
+                and not self._calls.stalled(self.lookup_deadline_s) and len(self._pending) < MAX_PENDING_LOOKUPS:
+            self._submit(rid, request, n, 0, time.monotonic())
+
+    def _promote_waiting(self, rid: str, found: _Lookup) -> None:
+        """A request vLLM asks about again waits for blocks at the head of its queue: its
+        chunks below DRAM are promoted into DRAM now, once, in the background, so the step that
+        loads it reads DRAM instead of waiting for SSD (the hint made when it arrived is
+        spent on every queued request alike, and most of what it brings up is evicted again
+        before the request is served)."""
+        if rid in self._promoted or all(t == "host" for t in found.tiers):
+            return
+        self._promoted.add(rid)
+        self._hint_later(self._prefetch, list(found.keys))
+
+    def _prefetch(self, keys: list[ChunkKey]) -> None:
+        try:
+            self._hint_client.prefetch(keys)
+        except DaemonUnavailable:
+            pass
+        except Exception:
+            log.exception("kvtier: prefetch hint failed")
 
     def _hint_later(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
         """Send a hint on the hints' thread; dropped (counted) while :data:`MAX_HINTS` wait."""
@@ -535,7 +582,10 @@ class SchedulerSide:
 
     def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
         try:
-            self._hint_client.queued(rid, self._full_keys(request, tokens))
+            # (no prefetch now: its chunks are promoted when it waits at the queue's head,
+            # :meth:`_promote_waiting` -- promoted now, a long queue's arrivals would evict
+            # the chunks of the requests ahead of them, which are served first)
+            self._hint_client.queued(rid, self._full_keys(request, tokens), prefetch=False)
         except DaemonUnavailable:
             pass
         except Exception:  # a hint must never take the scheduler down

@@ -287,7 +287,7 @@ class WorkerSide:
                     continue
                 ids = self._save_ids[(n, j)]
                 dst = self._layer_pages(view, layer, kv_layer, len(save.blocks(j, self.per_chunk)))
-                self._copier.save(dst, self.adapter.gather(kv_layer, ids))
+                self._copier.save_pages(dst, kv_layer, self.adapter, ids)
 
     def _finish_loads(self) -> None:
         """Join the copies, end the step's read leases; blocks copied under a lease the daemon
@@ -411,6 +411,14 @@ class WorkerSide:
         return bool(self._meta.writes) and len(self._layers_saved) < len(self.kv)
 
     def _end_step(self, failed: bool) -> None:
+        meta = self._meta
+        if not (failed or meta.loads or meta.saves or meta.finishes or self._suspect or self._leases
+                or self._deferred or self._reserving or self._load_thread is not None):
+            # the usual decode step: nothing loaded, saved or suspect -- no work, no daemon call
+            self._ended = self._loaded = True
+            self._saves = None
+            self._advance_finishes()
+            return
         self._ended = True
         if failed:
             self._copy_failed = True  # loads of a failed step are not trusted either
@@ -420,7 +428,6 @@ class WorkerSide:
         if failed:  # (after the spread: what a failed step wrote is never sound)
             for w in self._meta.writes:
                 self._suspect.update(w.block_ids[w.start // self.block_size :])
-        meta = self._meta
         if self._saves is None:  # no layer took the reserves: every one is taken now
             self._saves = [None] * len(meta.saves)
             self._deferred = {n: f for n, f in enumerate(self._reserving) if f is not None}
@@ -649,7 +656,7 @@ class WorkerSide:
             ids = self._copier.ids(blocks)  # once a chunk, not once a layer
             for layer, kv in enumerate(self.kv):
                 dst = self._layer_pages(view, layer, kv, len(blocks))
-                self._copier.save(dst, self.adapter.gather(kv, ids), background=background)
+                self._copier.save_pages(dst, kv, self.adapter, ids, background=background)
                 copied += dst.nbytes
         return copied
 
