@@ -412,3 +412,15 @@ def test_the_snapshot_counts_every_pin_beside_the_entries_pinned(layout):
             store.cache.release([x.key for x in h])
         host = store.snapshot()["tiers"]["host"]
         assert (host["pinned"], host["pins"]) == (0, 0)
+
+
+def test_a_lookup_that_overtakes_its_queued_hint_is_the_same_use(layout):
+    store = store_of(layout, 4)
+    cache = store.cache
+    seq = cache.arrived("r")  # the lookup, on its own connection, came first
+    assert seq is not None and cache.arrived("r") == seq
+    cache.queued("r", [], wait=True, prefetch=False)  # the hint finds it: not a second request
+    assert cache.use_of("r") == seq
+    cache.started("r")
+    assert cache.use_of("r") == seq and cache.arrived(None) is None
+    store.close()

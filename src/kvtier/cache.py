@@ -256,6 +256,15 @@ class ChunkCache:
         without the lock: a lookup does not wait for it."""
         return self._requests.use_of(request_id, finished=finished)
 
+    def arrived(self, request_id: str | None) -> int | None:
+        """:meth:`use_of`, a request not known yet numbered as queued now (its lookup came
+        before its :meth:`queued` hint, which then finds it: one use of each chunk, not two)."""
+        seq = self._requests.use_of(request_id)
+        if seq is None and request_id is not None:
+            with self._section:
+                seq = self._requests.queued(request_id)
+        return seq
+
     def finished(self, request_id: str) -> None:
         """The request's reply is done (the policies hear when: a conversation's next turn
         comes a think time after it)."""

@@ -116,8 +116,12 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     kv = report["workload"]["kv_bytes_per_token"]
     copied = sum(prof[k]["bytes_copied"] * prof[k]["steps"] for k in ("decode", "prefill"))
     quiet = prof.get("decode, nothing moved")
-    if quiet is not None:  # a decode step with nothing to load or save: the loop never waits in it
-        assert quiet["bytes_copied"] == 0 and quiet["loop_waits"] == 0 and quiet["steps"] <= prof["decode"]["steps"]
+    if quiet is not None:  # a decode step with nothing to load or save: the loop waits in it at
+        # most ROOM_WAIT_S, and only for an arrival vLLM's pool had room for whose answer was late
+        from kvtier.engines.vllm.scheduler import ROOM_WAIT_S
+
+        assert quiet["bytes_copied"] == 0 and quiet["steps"] <= prof["decode"]["steps"]
+        assert quiet["loop_wait_ms"] <= 1e3 * ROOM_WAIT_S
     assert copied >= (hits["host_tokens_taken"] + hits["disk_tokens_taken"]) * kv
 
 

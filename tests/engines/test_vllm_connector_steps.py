@@ -635,3 +635,67 @@ def test_a_request_waiting_at_the_queues_head_has_its_ssd_chunks_promoted_once(s
         sched.get_num_new_matched_tokens(only_host, 0)
     sched._hints.submit(lambda: None).result(5)
     assert len(promoted) == 1  # all of it in DRAM already: nothing to promote
+
+
+class Pool:
+    """vLLM's block pool as the connector sees it: its free blocks."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+def test_a_running_batch_waits_briefly_only_for_a_request_its_pool_has_room_for(sched, monkeypatch):
+    from kvtier.engines.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "ROOM_WAIT_S", 5.0)  # (a slow machine: the bound is not the point)
+    gate = threading.Event()
+
+    def lookup(keys, **kw):
+        gate.wait(0.2)
+        return ["host"] * len(keys)
+
+    monkeypatch.setattr(sched.client, "lookup_keys", lookup)
+    monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
+    busy = SimpleNamespace(req_id="B", block_ids=([1],), num_computed_tokens=0)
+    sched.build_connector_meta(output([busy], scheduled={"B": 1}))  # a request runs
+    r = request("R", range(3 * CHUNK + 1))
+    need = -(-len(r.all_token_ids) // BLOCK)
+    sched.block_pool = Pool(need - 1)  # no room: vLLM could not admit it this step
+    sched.on_new_request(r)
+    waits = sched._calls.waits
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert sched._calls.waits == waits  # the decode step did not wait
+    sched.block_pool = Pool(need)  # room now: the step admits it, so its answer is worth a wait
+    other = request("S", range(1000, 1000 + 3 * CHUNK + 1))
+    sched.on_new_request(other)
+    assert sched.get_num_new_matched_tokens(other, 0) == (3 * CHUNK, False)  # this very step
+    assert sched._calls.waits == waits + 1
+    sched.block_pool = None  # a vLLM that binds no pool: never a wait while requests run
+    third = request("T", range(2000, 2000 + 3 * CHUNK + 1))
+    sched.on_new_request(third)
+    assert sched.get_num_new_matched_tokens(third, 0) == (None, False)
+    assert sched._calls.waits == waits + 1
+
+
+def test_an_answer_from_arrival_that_queued_long_is_served_refreshed_and_promoted(sched, monkeypatch):
+    from kvtier.engines.vllm import scheduler
+
+    asked: list[int] = []
+    monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: asked.append(len(keys)) or ["disk"] * len(keys))
+    monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
+    promoted: list[tuple[int, int, str | None]] = []
+    monkeypatch.setattr(sched._hint_client, "prefetch",
+                        lambda keys, **kw: promoted.append((len(keys), kw.get("first"), kw.get("request"))) or 0)
+    monkeypatch.setattr(sched._hint_client, "queued", lambda *a, **kw: 0)
+    r = request("R", range(3 * CHUNK + 1))
+    sched.on_new_request(r)
+    assert sched._calls.drain(5) and asked == [3]
+    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)  # it has queued since it arrived
+    # vLLM holds its first chunk itself: the answer serves the rest at once
+    assert sched.get_num_new_matched_tokens(r, CHUNK) == (2 * CHUNK, False)
+    assert sched._calls.drain(5) and asked == [3, 3]  # and is refreshed in the background
+    sched._hints.submit(lambda: None).result(5)
+    assert promoted == [(2, 1, "R")]  # only the chunks vLLM lacks, under the request's use

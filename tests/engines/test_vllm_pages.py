@@ -77,3 +77,17 @@ def test_a_save_copies_straight_into_the_slot_when_the_block_dim_is_first(backen
     Copier(kv.device, 1).save_pages(dst, kv, a, ids)
     assert torch.equal(dst, a.gather(kv, ids))  # the same bytes as a gather and a copy
     assert a.gather_into(kv, ids, dst) == (a.block_dim == 0)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASHINFER", "FLASH_ATTN"])
+def test_a_slot_of_the_wrong_shape_is_refused_not_resized(backend):
+    a = adapter_for(backend)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=8)
+    kv = torch.randn(a.shape(6, 4, lay))
+    if a.block_dim != 0:
+        pytest.skip("this backend's pages are gathered, then copied")
+    slot = torch.zeros(3 * a.page_bytes(kv), dtype=torch.uint8)
+    dst = a.pages(slot, kv, 3)  # three pages of room, two pages asked for
+    with pytest.raises(ValueError, match="do not fit the slot"):
+        a.gather_into(kv, torch.tensor([4, 1]), dst)
+    assert not dst.any()  # nothing written

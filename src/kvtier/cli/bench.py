@@ -757,13 +757,13 @@ def _print_profile(console: Console, name: str, profile: dict) -> None:  # type:
                     for h in p[f"{side}_hooks_ms"]})
     for side, h in hooks:
         row(f"  {side}: {h} ms", lambda p, side=side, h=h: f"{p[f'{side}_hooks_ms'].get(h, 0):.3f}")
-    row("daemon round trips (step's connection)", lambda p: f"{p['round_trips']:.2f}")
+    row("daemon round trips on the step's call thread (the loop waits only as counted below)", lambda p: f"{p['round_trips']:.2f}")
     row("steps with a round trip", lambda p: str(p["steps_with_round_trips"]))
     row("round trip ms", lambda p: "-" if p["round_trip_ms"] is None else f"{p['round_trip_ms']:.2f}")
     row("engine loop waits on the daemon", lambda p: f"{p.get('loop_waits', 0):.3f}")
     row("steps in which the loop waited", lambda p: str(p.get("steps_with_loop_waits", 0)))
     row("loop wait ms", lambda p: f"{p.get('loop_wait_ms', 0):.3f}")
-    row("background round trips", lambda p: f"{p['background_round_trips']:.2f}")
+    row("background round trips (hints, finished requests' saves)", lambda p: f"{p['background_round_trips']:.2f}")
     row("bytes copied", lambda p: f"{p['bytes_copied'] / 1e6:.2f} MB")
     console.print(table)
 

@@ -473,12 +473,13 @@ class StoreClient:
         return SaveResult(stored=stored, present=present, dropped=len(keys) - done, busy=busy)
 
     def prefetch(self, keys: Sequence[ChunkKey], wait: bool = False, *, first: int = 0,
-                 tenant: str | None = None) -> int:
+                 tenant: str | None = None, request: str | None = None) -> int:
         """Ask the daemon to bring the held prefix of ``keys`` into DRAM (in the background, or
-        before replying with ``wait``); how many it promoted (0 when not waited for)."""
+        before replying with ``wait``); how many it promoted (0 when not waited for). With
+        ``request``, the promotion is a use of that request's (not one of its own)."""
         try:
             _, reply = self._link.call("prefetch", self._wait_timeout(wait), keys=list(keys), first=first,
-                                       wait=wait, tenant=tenant)
+                                       wait=wait, tenant=tenant, request=request)
             return int(reply.get("promoted", 0))  # type: ignore[call-overload]
         except DaemonUnavailable as exc:
             self._failed("prefetch", exc)

@@ -250,11 +250,16 @@ class StoreDaemon:
         both number their requests "0", "1", ...)."""
         return None if request_id is None else f"{session.instance}/{request_id}"
 
-    def use_of(self, req: dict[str, object], session: _Session, *, finished: bool = False) -> int | None:
+    def use_of(self, req: dict[str, object], session: _Session, *, finished: bool = False,
+               arrived: bool = False) -> int | None:
         """The cache's number of the request ``req`` names (``finished``: also one that
-        finished lately, for a save of its reply)."""
+        finished lately, for a save of its reply; ``arrived``: one not announced yet is
+        announced now -- its lookup overtook its ``queued`` hint on another connection)."""
         assert self.cache is not None
-        return self.cache.use_of(self.request_name(session, protocol.text(req, "request")), finished=finished)
+        name = self.request_name(session, protocol.text(req, "request"))
+        if arrived:
+            return self.cache.arrived(name)
+        return self.cache.use_of(name, finished=finished)
 
     def snapshot(self) -> dict[str, object]:
         assert self.cache is not None

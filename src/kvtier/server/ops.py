@@ -80,7 +80,8 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
     assert daemon.cache is not None
-    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session), tokens=(n, c), tenant=tenant)
+    hit = daemon.cache.lookup_keys(keys, use=daemon.use_of(req, session, arrived=True), tokens=(n, c),
+                                   tenant=tenant)
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
 def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
@@ -231,7 +232,9 @@ def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     if not request_id:
         raise BadRequest("queued needs a request_id")
     wait = req.get("wait", False) is True
-    prefetch = req.get("prefetch", True) is not False
+    prefetch = req.get("prefetch", True)
+    if not isinstance(prefetch, bool):
+        raise BadRequest(f"queued prefetch must be true or false, got {prefetch!r}")
     assert daemon.cache is not None
     name = daemon.request_name(session, request_id)
     return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait,  # type: ignore[arg-type]

@@ -200,6 +200,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
         self._sched().on_new_request(request)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:  # type: ignore[no-untyped-def]
+        if self.scheduler is not None:  # (whether a waiting request fits: worth a short wait)
+            self.scheduler.block_pool = gpu_block_pool
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 

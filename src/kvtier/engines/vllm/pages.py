@@ -70,6 +70,11 @@ class PageAdapter:
         False, nothing copied, otherwise (then :meth:`gather` and a copy)."""
         if self.block_dim != 0 or dst.device != kv.device or not dst.is_contiguous():
             return False
+        if dst.dtype != kv.dtype or tuple(dst.shape) != (block_ids.numel(), *kv.shape[1:]):
+            # (index_select's out= would resize a mismatched dst -- a view into the arena --
+            # and write past the slot)
+            raise ValueError(f"kvtier: pages of shape {tuple(kv.shape[1:])} {kv.dtype} x "
+                             f"{block_ids.numel()} do not fit the slot {tuple(dst.shape)} {dst.dtype}")
         torch.index_select(kv, 0, block_ids, out=dst)
         return True
 

@@ -23,15 +23,18 @@ request looked up twice is one use).
 
 vLLM's engine loop never waits on the daemon for long (:mod:`.calls`), and never while requests
 run: a lookup runs on a thread of its own, sent when the request arrives (``on_new_request``,
-for no local tokens: it answers whatever vLLM's own prefix cache then holds); the loop waits
-for a request's first answer only while no request is running, and at most ``wait_s`` (20 ms by
-default) in a step. One not back then is asked about again at the next step (vLLM's "not
+for no local tokens: it answers whatever vLLM's own prefix cache then holds). The loop waits
+for a request's first answer at most ``wait_s`` (20 ms by default) in a step while no request
+is running; while some run, at most :data:`ROOM_WAIT_S` (2 ms) in all, and only for requests
+vLLM's pool has free blocks for (the step then admits them: a prefill step; a decode-only
+step waits only when such an answer is more than that late). One not back then is asked about again at the next step (vLLM's "not
 determined yet": the request waits, the others run), and is a miss once ``lookup_deadline_s``
 has passed since it was made; while the daemon has not answered a call for longer than
 ``lookup_deadline_s`` (it is stalled), new requests miss at once without a call. A request
-asked about again (it waits for blocks at the head of the queue) gets its last answer at once,
-refreshed in the background, and its chunks below DRAM are promoted into DRAM then, once, so
-the step that loads it does not wait for SSD. Hints (queued, started, finished, those
+asked about again (it waits for blocks at the head of the queue), or first asked about long
+after it arrived, gets its last answer at once, refreshed in the background, and the chunks of
+it that vLLM lacks and that lie below DRAM are promoted into DRAM then, once, so the step that
+loads it does not wait for SSD. Hints (queued, started, finished, those
 promotions) go out on another thread and are dropped, counted, while :data:`MAX_HINTS` of them
 wait.
 """
@@ -60,6 +63,10 @@ PENDING_FREE_S = 0.5
 """How long after a request finished its save's blocks count as about to be freed
 (``has_pending_block_frees``); a save slower than that (a stalled daemon) lets vLLM preempt as
 it would."""
+ROOM_WAIT_S = 0.002
+"""How long in all, in a step in which requests run, the loop waits for the first answers of
+requests vLLM's pool has room for (the step admits them: a prefill step, never a decode-only
+one); without it a request arriving while others decode would wait a step for nothing."""
 LOOKUP_REUSE_S = 1.0
 """How old a waiting request's answer may be before it is refreshed in the background while
 vLLM asks again each step (the daemon is asked once a second at most, not every step, and the
@@ -178,6 +185,8 @@ class SchedulerSide:
         """Whether the last step computed anything (requests are running)."""
         self._promoted: set[str] = set()
         """Waiting requests whose chunks were promoted into DRAM (:meth:`_promote_waiting`)."""
+        self.block_pool = None
+        """vLLM's block pool (``bind_gpu_block_pool``): whether a request would fit now."""
 
     # -- keys ----------------------------------------------------------------------------------
     def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
@@ -249,7 +258,6 @@ class SchedulerSide:
                 fresh = self._result(pending.future) if pending.future.done() else None
                 if fresh is not None:
                     seen = self._lookups[rid] = fresh
-                    self._promote_waiting(rid, fresh)
                 elif not pending.future.done() or now - seen.at >= 2 * LOOKUP_REUSE_S:
                     # the daemon is stalled, or the answer is too old to trust: a miss now
                     pending.future.cancel()
@@ -264,21 +272,22 @@ class SchedulerSide:
                     self.lookups_missed += 1
                     return 0, False
                 self._submit(rid, request, n, num_computed_tokens, now)
-            self._promote_waiting(rid, seen)  # asked again: it waits at the queue's head
             seen = self._lookups[rid] = seen.at_local(num_computed_tokens)
+            self._promote_waiting(rid, seen)  # asked again: it waits at the queue's head
             return self._external(seen, num_computed_tokens)
         if pending is None:
-            if self._calls.stalled(self.lookup_deadline_s) or len(self._pending) >= MAX_PENDING_LOOKUPS:
+            if self._calls.stalled(self.lookup_deadline_s) or self._calls.pending >= MAX_PENDING_LOOKUPS:
                 self.lookups_missed += 1  # a call has been waiting longer than this one may:
                 return 0, False           # the daemon is stalled, a miss now without a call
             pending = self._submit(rid, request, n, num_computed_tokens, now)
-        # The first answer for these tokens (asked for when the request arrived: most often
-        # back already). While no request runs the loop waits for it inline ``wait_s`` in all
-        # for a step however many requests wait (nobody else's step is delayed); while some
-        # run, and while a call is already late, not at all: an answer not back is taken at
-        # the next step (vLLM's "not determined yet": this request waits one step, and no
-        # running request's step ever waits on a daemon round trip).
-        bound = 0.0 if self._busy else self.wait_s
+        # The first answer for these tokens (asked for when the request arrived). While no
+        # request runs the loop waits for it inline ``wait_s`` in all for a step however many
+        # requests wait (nobody else's step is delayed); while some run, ROOM_WAIT_S in all
+        # for requests vLLM's pool has room for (the step admits them: it prefills anyway),
+        # else not at all; while a call is already late, never. An answer not back is taken
+        # at the next step (vLLM's "not determined yet": this request waits one step).
+        bound = (self.wait_s if not self._busy
+                 else ROOM_WAIT_S if self._fits(request, num_computed_tokens) else 0.0)
         wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, bound - self._step_waited)
         began = time.monotonic()
         found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
@@ -293,7 +302,27 @@ class SchedulerSide:
             return None, False  # not determined yet: vLLM asks again at its next step
         del self._pending[rid]
         found = self._lookups[rid] = found.at_local(num_computed_tokens)
+        if time.monotonic() - found.at >= LOOKUP_REUSE_S:
+            # made when the request arrived, and it has queued since: served now (the request
+            # is at the queue's head), refreshed in the background for the asks to come, and
+            # its chunks below DRAM promoted while it waits for blocks
+            if not self._calls.stalled(self.lookup_deadline_s):
+                self._submit(rid, request, n, num_computed_tokens, time.monotonic())
+            self._promote_waiting(rid, found)
         return self._external(found, num_computed_tokens)
+
+    def _fits(self, request, num_computed_tokens: int) -> bool:  # type: ignore[no-untyped-def]
+        """Whether vLLM's pool has free blocks for all of the request's tokens past
+        ``num_computed_tokens`` now (False when vLLM bound no pool)."""
+        pool = self.block_pool
+        if pool is None:
+            return False
+        try:
+            free = int(pool.get_num_free_blocks())
+        except Exception:  # noqa: BLE001 (another vLLM's pool: no waits while busy, as without one)
+            return False
+        need = -(-len(request.all_token_ids) // self.block_size) - num_computed_tokens // self.block_size
+        return free >= need
 
     def _external(self, found: _Lookup, num_computed_tokens: int) -> tuple[int, bool]:
         external = max(0, found.chunks * self.chunk + found.tail * self.block_size - num_computed_tokens)
@@ -541,7 +570,7 @@ class SchedulerSide:
         # and no running request's step waits for it
         n = len(tokens)
         if n >= self.block_size and rid not in self._pending and rid not in self._lookups \
-                and not self._calls.stalled(self.lookup_deadline_s) and len(self._pending) < MAX_PENDING_LOOKUPS:
+                and not self._calls.stalled(self.lookup_deadline_s) and self._calls.pending < MAX_PENDING_LOOKUPS:
             self._submit(rid, request, n, 0, time.monotonic())
 
     def _promote_waiting(self, rid: str, found: _Lookup) -> None:
@@ -550,25 +579,28 @@ class SchedulerSide:
         loads it reads DRAM instead of waiting for SSD (the hint made when it arrived is
         spent on every queued request alike, and most of what it brings up is evicted again
         before the request is served)."""
-        if rid in self._promoted or all(t == "host" for t in found.tiers):
+        first = found.local // self.chunk  # (chunks vLLM holds itself are not loaded)
+        tiers = found.tiers[first : found.chunks]  # (full chunks: a tail promotes with its load)
+        if rid in self._promoted or all(t == "host" for t in tiers):
             return
-        self._promoted.add(rid)
-        self._hint_later(self._prefetch, list(found.keys))
+        if self._hint_later(self._prefetch, list(found.keys[: found.chunks]), first, rid):
+            self._promoted.add(rid)
 
-    def _prefetch(self, keys: list[ChunkKey]) -> None:
+    def _prefetch(self, keys: list[ChunkKey], first: int, rid: str) -> None:
         try:
-            self._hint_client.prefetch(keys)
+            self._hint_client.prefetch(keys[first:], first=first, request=rid)
         except DaemonUnavailable:
             pass
         except Exception:
             log.exception("kvtier: prefetch hint failed")
 
-    def _hint_later(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
-        """Send a hint on the hints' thread; dropped (counted) while :data:`MAX_HINTS` wait."""
+    def _hint_later(self, fn, *args) -> bool:  # type: ignore[no-untyped-def]
+        """Send a hint on the hints' thread; dropped (counted, False) while :data:`MAX_HINTS`
+        wait."""
         with self._hint_lock:
             if self._hints_waiting >= MAX_HINTS:
                 self.hints_dropped += 1
-                return
+                return False
             self._hints_waiting += 1
 
         def send() -> None:
@@ -579,6 +611,7 @@ class SchedulerSide:
                     self._hints_waiting -= 1
 
         self._hints.submit(send)
+        return True
 
     def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
         try:
