@@ -584,19 +584,26 @@ def test_pending_block_frees_buy_one_step_per_finished_request_and_end_with_its_
     assert not sched.has_pending_block_frees()
 
 
-def test_a_request_is_looked_up_on_arrival_and_a_running_batch_never_waits_for_it(sched, monkeypatch):
-    gate = threading.Event()
+def busy_with_gated_lookups(sched, monkeypatch, gate: threading.Event, gate_s: float) -> list[int]:
+    """A request runs; every lookup holds until ``gate`` opens (at most ``gate_s``), then finds
+    all its chunks in DRAM; the number of keys of each lookup made."""
     asked: list[int] = []
 
     def lookup(keys, **kw):
         asked.append(len(keys))
-        gate.wait(5)
+        gate.wait(gate_s)
         return ["host"] * len(keys)
 
     monkeypatch.setattr(sched.client, "lookup_keys", lookup)
     monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
     busy = SimpleNamespace(req_id="B", block_ids=([1],), num_computed_tokens=0)
     sched.build_connector_meta(output([busy], scheduled={"B": 1}))  # a request runs
+    return asked
+
+
+def test_a_request_is_looked_up_on_arrival_and_a_running_batch_never_waits_for_it(sched, monkeypatch):
+    gate = threading.Event()
+    asked = busy_with_gated_lookups(sched, monkeypatch, gate, 5)
     r = request("R", range(3 * CHUNK + 1))
     sched.on_new_request(r)  # vLLM's add_request: the lookup goes out now, for no local tokens
     waits = sched._calls.waits
@@ -651,16 +658,7 @@ def test_a_running_batch_waits_briefly_only_for_a_request_its_pool_has_room_for(
     from kvtier.engines.vllm import scheduler
 
     monkeypatch.setattr(scheduler, "ROOM_WAIT_S", 5.0)  # (a slow machine: the bound is not the point)
-    gate = threading.Event()
-
-    def lookup(keys, **kw):
-        gate.wait(0.2)
-        return ["host"] * len(keys)
-
-    monkeypatch.setattr(sched.client, "lookup_keys", lookup)
-    monkeypatch.setattr(sched.client, "probe", lambda keys, **kw: [None] * len(keys))
-    busy = SimpleNamespace(req_id="B", block_ids=([1],), num_computed_tokens=0)
-    sched.build_connector_meta(output([busy], scheduled={"B": 1}))  # a request runs
+    busy_with_gated_lookups(sched, monkeypatch, threading.Event(), 0.2)
     r = request("R", range(3 * CHUNK + 1))
     need = -(-len(r.all_token_ids) // BLOCK)
     sched.block_pool = Pool(need - 1)  # no room: vLLM could not admit it this step

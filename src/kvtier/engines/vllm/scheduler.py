@@ -21,14 +21,14 @@ then for the longest held partial chunk after it, and remembers what it found fo
 daemon counts the lookup and its policy sees the chunks touched (under the request's id, so a
 request looked up twice is one use).
 
-vLLM's engine loop never waits on the daemon for long (:mod:`.calls`), and never while requests
-run: a lookup runs on a thread of its own, sent when the request arrives (``on_new_request``,
-for no local tokens: it answers whatever vLLM's own prefix cache then holds). The loop waits
-for a request's first answer at most ``wait_s`` (20 ms by default) in a step while no request
-is running; while some run, at most :data:`ROOM_WAIT_S` (2 ms) in all, and only for requests
-vLLM's pool has free blocks for (the step then admits them: a prefill step; a decode-only
-step waits only when such an answer is more than that late). One not back then is asked about again at the next step (vLLM's "not
-determined yet": the request waits, the others run), and is a miss once ``lookup_deadline_s``
+vLLM's engine loop never waits on the daemon for long (:mod:`.calls`): a lookup runs on a
+thread of its own, sent when the request arrives (``on_new_request``, for no local tokens: it
+answers whatever vLLM's own prefix cache then holds). The loop waits for a request's first
+answer at most ``wait_s`` (20 ms by default) in a step while no request is running; while some
+run, at most :data:`ROOM_WAIT_S` (2 ms) in all, and only for requests vLLM's pool has free
+blocks for (the step then admits them: a prefill step; a decode-only step waits only when such
+an answer is more than that late). One not back then is asked about again at the next step
+(vLLM's "not determined yet": the request waits, the others run), and is a miss once ``lookup_deadline_s``
 has passed since it was made; while the daemon has not answered a call for longer than
 ``lookup_deadline_s`` (it is stalled), new requests miss at once without a call. A request
 asked about again (it waits for blocks at the head of the queue), or first asked about long
@@ -65,8 +65,9 @@ PENDING_FREE_S = 0.5
 it would."""
 ROOM_WAIT_S = 0.002
 """How long in all, in a step in which requests run, the loop waits for the first answers of
-requests vLLM's pool has room for (the step admits them: a prefill step, never a decode-only
-one); without it a request arriving while others decode would wait a step for nothing."""
+requests vLLM's pool has room for (the step then admits them: a prefill step; a decode-only
+step waits only when such an answer is later than this); without it a request arriving while
+others decode would wait a step for nothing."""
 LOOKUP_REUSE_S = 1.0
 """How old a waiting request's answer may be before it is refreshed in the background while
 vLLM asks again each step (the daemon is asked once a second at most, not every step, and the
@@ -583,12 +584,12 @@ class SchedulerSide:
         tiers = found.tiers[first : found.chunks]  # (full chunks: a tail promotes with its load)
         if rid in self._promoted or all(t == "host" for t in tiers):
             return
-        if self._hint_later(self._prefetch, list(found.keys[: found.chunks]), first, rid):
+        if self._hint_later(self._prefetch, found.keys[first : found.chunks], first, rid):
             self._promoted.add(rid)
 
     def _prefetch(self, keys: list[ChunkKey], first: int, rid: str) -> None:
         try:
-            self._hint_client.prefetch(keys[first:], first=first, request=rid)
+            self._hint_client.prefetch(keys, first=first, request=rid)
         except DaemonUnavailable:
             pass
         except Exception:
