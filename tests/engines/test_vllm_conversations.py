@@ -31,19 +31,23 @@ def turns(first: list[int], salt: int, n: int, out_of) -> list[list[int]]:
     return prompts
 
 
-def make(model_dir: Path, socket: Path | None):
+def make(model_dir: Path, socket: Path | None, events: str | None = None):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     if socket is None:  # vLLM alone, as plain as it gets
         return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=960,
                    block_size=BLOCK, seed=0, enable_prefix_caching=False)
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.engines.vllm",
                            kv_role="kv_both",
-                           kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK})
+                           kv_connector_extra_config={"socket": str(socket), "retry_s": 0.05, "chunk_tokens": CHUNK,
+                                                      "events_poll_ms": 20})
+    # vLLM's own KV events publisher (ZMQ), bound to a Unix socket: its GPU blocks' events and
+    # kvtier's in one stream
+    kec = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events, topic="kv") if events else None
     return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=960, block_size=BLOCK,
                seed=0, enable_prefix_caching=True, num_gpu_blocks_override=POOL_BLOCKS,
-               max_num_batched_tokens=BUDGET, max_num_seqs=4, kv_transfer_config=ktc)
+               max_num_batched_tokens=BUDGET, max_num_seqs=4, kv_transfer_config=ktc, kv_events_config=kec)
 
 
 def run(llm, prompts, salts=None, wait=True):
@@ -77,13 +81,14 @@ def stack(tiny_model_dir, tmp_path_factory):
         return want[key]
 
     chat = turns(CHAT, 22, 3, ref_out)
-    for p in [*chat, *BATCH, *PAIR, prompt(300, 50), prompt(300, 51), prompt(300, 52)]:
+    for p in [*chat, *BATCH, *PAIR, *(prompt(300, s) for s in range(50, 55))]:
         ref_out(p)
     alone.clear()  # one engine at a time
     gc.collect()
     tmp = tmp_path_factory.mktemp("conv")
     daemon = Daemon(tmp, tiny_model_dir, host_chunks=64).start()
-    llm = make(tiny_model_dir, daemon.socket)
+    llm = make(tiny_model_dir, daemon.socket, events=f"ipc://{tmp / 'kv-events'}")
+    ROUTER[:] = [Router(f"ipc://{tmp / 'kv-events'}")]  # subscribed before the first step's events
     try:
         yield llm, daemon, want, chat
     finally:
@@ -206,3 +211,134 @@ def test_an_aborted_request_saves_what_it_computed_and_holds_nothing(stack):
     out = run(llm, [p])[0]
     assert out.num_cached_tokens >= 4 * CHUNK + BLOCK  # its prompt, and the tail it had computed
     assert_same([out.outputs[0]], [want[tuple(p)]])
+
+
+# ------------------------------------------------------------------------------ KV events
+class Router:
+    """What a KV-aware router knows from vLLM's event stream: decoded with vLLM's own classes."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)  # keep every event until the test reads them
+        self.sub.connect(endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.kvtier: dict[object, set[str]] = {}
+        """block hash -> the media kvtier holds it in (as its events said)."""
+        self.gpu: dict[object, list[int]] = {}
+        """block hash -> its tokens (vLLM's own GPU blocks' events)."""
+        self.kvtier_tokens: dict[object, list[int]] = {}
+
+    def read(self) -> None:
+        import zmq
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        while self.sub.poll(200, zmq.POLLIN):
+            _, _, payload = self.sub.recv_multipart()
+            for ev in self.decoder.decode(payload).events:
+                ours = getattr(ev, "ownership", None) == "kvtier"
+                if isinstance(ev, BlockStored):
+                    for i, h in enumerate(ev.block_hashes):
+                        toks = list(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
+                        if ours:
+                            assert ev.medium not in self.kvtier.get(h, set()), "announced twice"
+                            self.kvtier.setdefault(h, set()).add(ev.medium)
+                            self.kvtier_tokens[h] = toks
+                        else:
+                            self.gpu[h] = toks
+                elif isinstance(ev, BlockRemoved) and ours:
+                    for h in ev.block_hashes:
+                        assert ev.medium in self.kvtier.get(h, set()), "removed what was never stored"
+                        self.kvtier[h].discard(ev.medium)
+                        if not self.kvtier[h]:
+                            del self.kvtier[h]
+
+
+def publish(llm, router: Router) -> None:
+    """Let kvtier's poller see the daemon, then run a step (vLLM publishes only after one)."""
+    import time
+
+    from vllm import SamplingParams
+
+    time.sleep(0.2)
+    skip = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"kvtier": "skip"}})
+    llm.generate([{"prompt_token_ids": prompt(8, 99)}], skip, use_tqdm=False)
+    router.read()
+
+
+def truth(llm) -> dict[object, set[str]]:
+    """What the daemon holds of the chunks this engine follows, asked of the daemon now."""
+    from kvtier.engines.vllm.events import medium_of
+
+    events = scheduler_side(llm).events
+    keys = list(events._chunks)
+    held: dict[object, set[str]] = {}
+    for key, tier in zip(keys, events._probe(keys), strict=True):
+        where = medium_of(tier)
+        if where is not None:
+            for h in events._chunks[key].hashes:
+                held.setdefault(h, set()).add(where[0])
+    return held
+
+
+ROUTER: list[Router] = []
+
+
+@pytest.fixture
+def router(stack):
+    publish(stack[0], ROUTER[0])  # everything since the engine started
+    return ROUTER[0]
+
+
+def test_kv_events_name_vllms_own_blocks_and_follow_what_the_daemon_holds(stack, router):
+    llm, daemon, want, _ = stack
+    p = prompt(300, 53)
+    out = run(llm, [p])[0]
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+    publish(llm, router)
+    tokens = p + list(out.outputs[0].token_ids)
+    saved = (len(p) + MAX_TOKENS - 1) // BLOCK  # its full blocks computed: the chunks and the tail
+    blocks_of_p = {h for h, toks in router.kvtier_tokens.items()
+                   if any(toks == tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(saved))}
+    assert len(blocks_of_p) == saved and all(router.kvtier[h] == {"CPU"} for h in blocks_of_p)
+    for h in blocks_of_p:  # the hash vLLM itself published for the GPU block of the same tokens
+        assert router.gpu.get(h) == router.kvtier_tokens[h]
+    assert router.kvtier == truth(llm)  # every block announced is loadable now, from that tier
+
+    # the daemon restarts: what DRAM held is gone, what SSD kept (write-through) is announced again
+    daemon.stop()
+    daemon.start()
+    publish(llm, router)
+    publish(llm, router)
+    assert router.kvtier == truth(llm)
+    assert all(router.kvtier[h] == {"STORAGE"} for h in blocks_of_p)
+    llm.reset_prefix_cache()
+    again = run(llm, [p])[0]  # and it is what a router would have sent the request for
+    assert again.num_cached_tokens >= saved * BLOCK - BLOCK
+    assert_same([again.outputs[0]], [want[tuple(p)]])
+
+
+def test_after_reset_cache_no_load_comes_from_a_chunk_saved_before(stack, router):
+    llm, daemon, want, _ = stack
+    p = prompt(300, 54)
+    run(llm, [p])
+    llm.reset_prefix_cache()
+    assert run(llm, [p])[0].num_cached_tokens >= 4 * CHUNK  # from kvtier
+    # new weights: vLLM resets its own cache and kvtier's (/reset_prefix_cache?reset_external=true)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    publish(llm, router)
+    assert router.kvtier == {} == truth(llm)  # nothing from before is announced any more
+    before = loaded(daemon)
+    out = run(llm, [p])[0]
+    assert out.num_cached_tokens == 0 and loaded(daemon) == before  # nothing saved before is loaded
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+    llm.reset_prefix_cache()
+    out = run(llm, [p])[0]  # saved anew, under the new epoch
+    assert out.num_cached_tokens >= 4 * CHUNK
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+    publish(llm, router)
+    assert router.kvtier and router.kvtier == truth(llm)

@@ -70,6 +70,21 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
         after = daemon.stats()
         hits = after["tiers"]["host"]["hits"] - before["tiers"]["host"]["hits"]
         assert hits >= 4, after  # turn 2's prompt starts with turn 1's: served from kvtier
+        # vLLM's own /metrics carries kvtier's counts (its stats reach the API server a step late)
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = metric_values(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+            took = metrics.get('vllm:kvtier_hit_tokens_total{engine="0",model_name="tiny",tier="host"}', 0)
+            if took >= 4 * 64 or time.monotonic() > deadline:
+                break
+            client.completions.create(model="tiny", prompt="step", max_tokens=1)
+            time.sleep(0.5)
+        assert took >= 4 * 64, {k: v for k, v in metrics.items() if "kvtier" in k}
+        assert metrics['vllm:kvtier_lookups_total{engine="0",model_name="tiny"}'] >= 2
+        assert metrics['vllm:kvtier_saved_bytes_total{engine="0",model_name="tiny"}'] > 0
+        assert metrics['vllm:kvtier_loaded_bytes_total{engine="0",model_name="tiny"}'] > 0
+        assert metrics['vllm:kvtier_load_failures_total{engine="0",model_name="tiny"}'] == 0
+        assert 'vllm:kvtier_save_backlog_requests{engine="0",model_name="tiny"}' in metrics
     finally:
         server.terminate()
         try:
@@ -78,3 +93,15 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
             server.kill()
         log.close()
         daemon.stop()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text: "name{labels}" (labels sorted as written) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

@@ -36,10 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.layout import KVLayout
+from kvtier.engines.vllm.events import DEFAULT_MAX_CHUNKS, KVEvents, Poller
 from kvtier.engines.vllm.namespace import engine_model_id
 from kvtier.engines.vllm.pages import adapter_for, page_format
 from kvtier.engines.vllm.plan import KVTierMetadata
 from kvtier.engines.vllm.scheduler import SchedulerSide
+from kvtier.engines.vllm.stats import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.engines.vllm.worker import WorkerSide
 from kvtier.server.client import StoreClient
 
@@ -153,6 +155,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.client = client(budget_s=load_wait_s / 2) if worker else client()
         self._other = client()  # hints (scheduler) / background saves (worker): their own connection
         self._role = role
+        self._deltas = Deltas()
+        self._events_client: StoreClient | None = None
+        self._poller: Poller | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.WORKER:
@@ -170,6 +175,17 @@ class KVTierConnector(KVConnectorBase_V1):
                 raise ValueError(f"kv_connector_extra_config.load_async must be true or false, got {load_async!r}")
             self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async,
                                            wait_s=wait_s, lookup_deadline_s=lookup_deadline_s)
+            self.scheduler.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or self.block_size)
+            kec = getattr(vllm_config, "kv_events_config", None)
+            if kec is not None and kec.enable_kv_cache_events:
+                # (vLLM asks for events whether it publishes or not: without, they stay inert)
+                max_chunks = cfg.get_from_extra_config("events_max_chunks", DEFAULT_MAX_CHUNKS)
+                if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+                    raise ValueError(f"kv_connector_extra_config.events_max_chunks must be a positive integer, "
+                                     f"got {max_chunks!r}")
+                self._events_client = client()  # its probes never wait behind the hints
+                self.scheduler.events = KVEvents(self._events_client.probe, max_chunks)
+                self._poller = Poller(self.scheduler.events, _seconds(cfg, "events_poll_ms", 500.0) / 1000)
 
     def profile_counters(self) -> dict[str, float]:
         """Cumulative counts for a profile (:mod:`kvtier.bench.peers.connector_profile`): daemon
@@ -234,7 +250,31 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
 
     def take_events(self):  # type: ignore[no-untyped-def]
-        return ()
+        """KV events of what kvtier can load (:mod:`.events`), when vLLM publishes them."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its prefix cache (new weights): no chunk saved before is loaded again
+        (:meth:`SchedulerSide.reset_cache`)."""
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    # ============================================================================== metrics
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """What changed in this half's counts since vLLM last asked (None: nothing)."""
+        if self.scheduler is not None:
+            counts, gauges = self.scheduler.counters()
+            return self._deltas.since_last(counts, gauges)
+        if self.worker is not None:
+            return self._deltas.since_last(self.worker.counters())
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVTierStats:  # type: ignore[type-arg]
+        return KVTierStats(data=dict(data)) if data is not None else KVTierStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # type: ignore[no-untyped-def]
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:  # type: ignore[type-arg]
@@ -289,6 +329,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._work().take_meta()
 
     def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.close()
+        if self._events_client is not None:
+            self._events_client.close()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.worker is not None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
 from kvtier.engines.vllm.calls import Calls
+from kvtier.engines.vllm.events import KVEvents, request_blocks
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
@@ -141,6 +143,9 @@ class _Tracked:
     """Full chunks known stored in kvtier (hit, or planned for saving)."""
     keys: list[ChunkKey] = field(default_factory=list)
     """The keys of its full chunks, as far as computed."""
+    epoch: bytes | None = None
+    """The cache epoch it was admitted in: after a ``reset_cache`` nothing of it is saved (its
+    KV may be of the weights before the reset)."""
 
 
 class SchedulerSide:
@@ -188,6 +193,17 @@ class SchedulerSide:
         """Waiting requests whose chunks were promoted into DRAM (:meth:`_promote_waiting`)."""
         self.block_pool = None
         """vLLM's block pool (``bind_gpu_block_pool``): whether a request would fit now."""
+        self.epoch: bytes | None = None
+        """None until vLLM resets its cache (``reset_cache``: new weights), then 16 random
+        bytes chained into every key, new at each reset: chunks saved before it never match
+        again, and age out of the tiers."""
+        self.events: KVEvents | None = None
+        """vLLM's KV events for what kvtier holds (set by the connector when vLLM publishes)."""
+        self.hash_block_size = block_size
+        self.lookups_sent = 0
+        self.load_failures = 0
+        self.hit_tokens: dict[str, int] = {}
+        """Tokens vLLM took from kvtier (planned loads), by the tier they were found in."""
 
     # -- keys ----------------------------------------------------------------------------------
     def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
@@ -204,6 +220,8 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         lora = getattr(request, "lora_request", None)
         head = field(b"salt", salt) if salt else b""
+        if self.epoch is not None:
+            head += field(b"epoch", self.epoch.hex())
         if lora is not None:
             head += field(b"lora", getattr(lora, "lora_name", lora)) + field(b"path", getattr(lora, "lora_path", ""))
         if head:
@@ -331,6 +349,7 @@ class SchedulerSide:
 
     def _submit(self, rid: str, request, n: int, num_computed_tokens: int, now: float) -> _Pending:  # type: ignore[no-untyped-def]
         tokens = list(request.all_token_ids)
+        self.lookups_sent += 1
         future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
         pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
         return pending
@@ -372,7 +391,7 @@ class SchedulerSide:
         self._promoted.discard(rid)
         tr = self._tracked.get(rid)
         if tr is None:
-            tr = self._tracked[rid] = _Tracked(request)
+            tr = self._tracked[rid] = _Tracked(request, epoch=self.epoch)
         tr.block_ids = list(blocks.get_block_ids()[0])
         tr.phase = Phase.RUNNING
         if skipped(request):
@@ -414,7 +433,9 @@ class SchedulerSide:
             lo = max((first + j) * c, local)
             hi = min((first + j + 1) * c, total)
             sources[tier] = sources.get(tier, 0) + max(0, hi - lo)
+            self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + max(0, hi - lo)
         self._sources[rid] = sources
+        self._remember(request, keys, first, tail)
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
         """The tiers the request's external tokens come from (tokens per tier name)."""
@@ -466,13 +487,14 @@ class SchedulerSide:
         end = computed + scheduled
         nblocks = min(len(tr.block_ids), -(-end // self.block_size))
         meta.writes.append(Write(rid, tr.block_ids, computed, end, nblocks))  # (shared: never copied)
-        if skipped(tr.request):
+        if skipped(tr.request) or tr.epoch != self.epoch:
             return
         full = min(end, len(tr.request.all_token_ids)) // self.chunk  # type: ignore[attr-defined]
         if full > tr.stored and full * self.per_chunk <= len(tr.block_ids):
             keys = self._keys_of(tr, full)
             if len(keys) == full:
                 meta.saves.append(Transfer(rid, keys[tr.stored :], tr.stored, tr.block_ids[: full * self.per_chunk]))
+                self._remember(tr.request, keys[tr.stored :], tr.stored, 0)
                 tr.stored = full
 
     def request_finished(self, request, block_ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
@@ -488,7 +510,8 @@ class SchedulerSide:
         tr = self._tracked.pop(rid, None)
         if tr is not None and not skipped(request):
             self._hint_later(self._hint, "finished", rid)
-        if tr is None or skipped(request) or tr.phase in (Phase.PREEMPTED, Phase.WAITING, Phase.LOADING):
+        if tr is None or skipped(request) or tr.epoch != self.epoch \
+                or tr.phase in (Phase.PREEMPTED, Phase.WAITING, Phase.LOADING):
             # (a request aborted while it loads between steps: vLLM keeps its blocks until the
             # load is reported done, and they hold nothing kvtier lacks)
             return False
@@ -509,6 +532,7 @@ class SchedulerSide:
                 keys.append(self._tail_key(request, tr.keys, tokens, full, tail))
         except DaemonUnavailable:
             return False
+        self._remember(request, keys, first, tail)
         tr.phase = Phase.FINISHING
         self._freeing[rid] = time.monotonic()
         self._free_credits += 1
@@ -530,8 +554,9 @@ class SchedulerSide:
                     tr.stored = first
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         for rid in list(self._loading):
-            if bad and bad.intersection(self._loading[rid]):
+            if bad and bad.intersection(self._loading[rid]) and rid not in self._load_failed:
                 self._load_failed.add(rid)
+                self.load_failures += 1
         for rid in getattr(output, "finished_recving", None) or ():
             self._loading.pop(rid, None)
         for rid in getattr(output, "finished_sending", None) or ():
@@ -553,6 +578,48 @@ class SchedulerSide:
             return False
         self._free_credits -= 1
         return True
+
+    # -- cache reset, events, counters --------------------------------------------------------
+    def reset_cache(self) -> bool:
+        """vLLM reset its prefix cache (``/reset_prefix_cache?reset_external=true``; an RL
+        loop's weight update): from now on no load is served from a chunk saved before.
+        A new epoch is chained into every key; answers and promotions made before are
+        dropped; requests admitted before save nothing more (their KV may be the old
+        weights'); every chunk announced in KV events is removed. Runs on vLLM's engine
+        thread between steps; the daemon is not asked (the old chunks age out), so it
+        cannot fail."""
+        self.epoch = secrets.token_bytes(16)
+        for rid in list(self._pending):
+            self._forget_pending(rid)
+        self._lookups.clear()
+        self._promoted.clear()
+        if self.events is not None:
+            self.events.clear()
+        log.info("kvtier: cache reset: chunks saved before it are no longer loaded")
+        return True
+
+    def _remember(self, request, keys: list[ChunkKey], first: int, tail: int) -> None:  # type: ignore[no-untyped-def]
+        """Follow chunks ``first...`` of ``request`` (the last a partial chunk of ``tail``
+        blocks when ``tail``) for KV events, with vLLM's hashes of their blocks."""
+        if self.events is None:
+            return
+        for j, key in enumerate(keys):
+            part = tail if tail and j == len(keys) - 1 else self.per_chunk
+            self.events.remember(key, request_blocks(request, (first + j) * self.per_chunk, part,
+                                                     self.block_size, self.hash_block_size))
+
+    def take_events(self) -> list[object]:
+        return self.events.take() if self.events is not None else []
+
+    def counters(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(cumulative counts, gauges) for vLLM's metrics (:mod:`.stats`)."""
+        from kvtier.engines.vllm.stats import HIT_PREFIX
+
+        counts: dict[str, float] = {"lookups": self.lookups_sent, "lookup_timeouts": self.lookups_missed,
+                                    "load_failures": self.load_failures, "preemptions": self.preemptions,
+                                    "hints_dropped": self.hints_dropped}
+        counts.update({HIT_PREFIX + tier: n for tier, n in self.hit_tokens.items()})
+        return counts, {"save_backlog_requests": len(self._freeing)}
 
     def phase(self, req_id: str) -> Phase | None:
         tr = self._tracked.get(req_id)

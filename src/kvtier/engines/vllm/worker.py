@@ -78,6 +78,10 @@ class WorkerSide:
         self.load_wait_s = load_wait_s
         self._calls = Calls("kvtier-step")
         self._unsaved: dict[str, int] = {}
+        self.saves_skipped = 0
+        """Saves skipped because the daemon was slow (each planned again)."""
+        self.load_error_blocks = 0
+        """Blocks reported to vLLM as failed loads."""
         """Saves of this step skipped because the daemon did not answer in time (request ->
         first chunk), for the scheduler (:meth:`take_meta`)."""
         self._bg_client = background
@@ -665,6 +669,7 @@ class WorkerSide:
         reported to the scheduler, which plans it again (:meth:`take_meta`)."""
         first = save.first_chunk + done
         self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
+        self.saves_skipped += 1
 
     def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
         """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none
@@ -685,10 +690,19 @@ class WorkerSide:
         meta, self._unsaved = KVTierWorkerMeta(self._unsaved), {}
         return meta
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts for vLLM's metrics (:mod:`.stats`)."""
+        c = self._copier
+        out = {"saves_skipped": self.saves_skipped, "load_error_blocks": self.load_error_blocks}
+        if c is not None:
+            out.update(loaded_bytes=c.loaded_bytes + c.loaded_bg_bytes, saved_bytes=c.saved_bytes + c.saved_bg_bytes)
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()  # (vLLM may ask before wait_for_save, with speculative decoding)
         with self._done_lock:
             failed, self._failed = self._failed, set()
+        self.load_error_blocks += len(failed)
         return failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
