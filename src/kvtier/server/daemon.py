@@ -35,10 +35,10 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvtier.cache import ChunkCache
-from kvtier.core.keys import ChunkKey, Namespace, bind_keys
+from kvtier.core.keys import ROOT_KEY, ChunkKey, Namespace, bind_keys, chunk_tokens_of, tail_key
 from kvtier.server import protocol
 from kvtier.server.connections import Connections
 from kvtier.server.leases import Lease, LeaseEnded, Leases
@@ -62,6 +62,17 @@ from kvtier.server.settings import (  # noqa: F401 - AccessConfig: re-exported w
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldPrefix:
+    """What :meth:`StoreDaemon.held` found: full chunks from the first, then maybe a partial one."""
+
+    chunk_tiers: list[str] = dataclasses.field(default_factory=list)
+    """The fastest tier holding each held full chunk, in order."""
+    tail_tokens: int = 0
+    """Tokens of the partial chunk held after them (0: none)."""
+    tail_tier: str | None = None
 
 
 class _Session:
@@ -242,6 +253,40 @@ class StoreDaemon:
             raise BadRequest(f"uid {session.peer.uid} may not use tenant {tenant!r}")
         keys = bind_keys(session.namespace(tenant), protocol.keys(req))
         return ns, keys, tenant
+
+    def namespaces(self) -> list[ClientNamespace]:
+        """The distinct namespaces the live connections named in their hellos (sorted by model,
+        page format, tenant). Holds the daemon's lock only to copy the set of connections."""
+        with self._lock:
+            sessions = list(self._sessions)
+        named = {s.ns for s in sessions if s.ns is not None}
+        return sorted(named, key=lambda ns: (ns.model, ns.page_format, ns.tenant, ns.layout.fingerprint))
+
+    def held(self, ns: ClientNamespace, tokens: list[int], extras: Mapping[int, bytes] | None = None,
+             block_tokens: int = 0) -> HeldPrefix:
+        """How much of ``tokens`` the cache holds under ``ns`` (chained as its clients chain them,
+        with ``extras``, bound to its tenant): the longest run of full chunks, then the longest
+        partial chunk of whole blocks of ``block_tokens`` after it (as the vLLM connector saves a
+        finished request's tail; 0: none). Read-only, as the ``probe`` operation: touches no
+        policy, counts nothing, takes no lock, does no I/O (a remote tier answers only for the
+        chunks the index knows it holds). The caller checks that its asker may read
+        ``ns.tenant``. Advice: a chunk may be evicted right after."""
+        assert self.cache is not None
+        names = [t.name for t in self.cache.tiers]
+        chain_ns, bound_ns, c = ns.namespace(""), ns.namespace(ns.tenant), ns.layout.chunk_tokens
+        keys = chunk_tokens_of(tokens, chain_ns, c, extras).keys
+        found = self.cache.held(bind_keys(bound_ns, keys), tenant=ns.tenant)
+        m = next((i for i, lvl in enumerate(found) if lvl is None), len(found))
+        tiers = [names[lvl] for lvl in found[:m]]  # type: ignore[index]
+        room = min(c // block_tokens - 1, (len(tokens) - m * c) // block_tokens) if block_tokens else 0
+        if room <= 0:
+            return HeldPrefix(tiers)
+        sizes = range(room * block_tokens, 0, -block_tokens)
+        parent, extra = keys[m - 1] if m else ROOT_KEY, (extras or {}).get(m)
+        tails = [tail_key(parent, chain_ns, tokens[m * c: m * c + n], extra) for n in sizes]
+        lvl, n = next(((lvl, n) for lvl, n in zip(self.cache.held(bind_keys(bound_ns, tails), tenant=ns.tenant),
+                                                  sizes, strict=True) if lvl is not None), (None, 0))
+        return HeldPrefix(tiers, n, None if lvl is None else names[lvl])
 
     @staticmethod
     def request_name(session: _Session, request_id: str | None) -> str | None:

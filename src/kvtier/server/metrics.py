@@ -1,15 +1,15 @@
 """Prometheus metrics of the store daemon, read from a snapshot of its counters at scrape time.
 
-Own registry (never the process-global one), served on loopback by ``prometheus_client``. It
-knows nothing of the daemon: it is handed a function that returns the daemon's snapshot
-(:mod:`kvtier.server.service` wires the two).
+Own registry (never the process-global one), served on loopback with the daemon's HTTP
+lookup (:mod:`kvtier.server.http`). It knows nothing of the daemon: it is handed a function that
+returns the daemon's snapshot (:mod:`kvtier.server.service` wires the two).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -88,26 +88,9 @@ class Metrics:
             ["op"], registry=self.registry,
             buckets=(1e-5, 3e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
         )
-        self._server = None
 
     def observe(self, op: str, seconds: float) -> None:
         self.latency.labels(op=op).observe(seconds)
-
-    def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Serve on ``host:port``; ValueError (before anything else is started) if the port
-        cannot be bound."""
-        try:
-            server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        except (OSError, OverflowError) as exc:
-            raise ValueError(f"cannot serve metrics on {host}:{port}: {exc}") from None
-        self._server = server
-        return host, server.server_address[1]
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 __all__ = ["Metrics"]

@@ -50,6 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
+from kvtier.core.request_extras import request_head, tagged
 from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.events import KVEvents, request_blocks
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
@@ -212,18 +213,11 @@ class SchedulerSide:
         chunk's key, so into every key) and the content hash of each image (into the chunks its
         placeholder tokens lie in; with ``span``, only of the images within those tokens -- a
         partial chunk's). Each field is length-prefixed, so no two sets of them read alike."""
-        def field(tag: bytes, value: object) -> bytes:
-            raw = str(value).encode()
-            return tag + len(raw).to_bytes(4, "little") + raw
-
         extras: dict[int, bytes] = {}
-        salt = getattr(request, "cache_salt", None)
         lora = getattr(request, "lora_request", None)
-        head = field(b"salt", salt) if salt else b""
-        if self.epoch is not None:
-            head += field(b"epoch", self.epoch.hex())
-        if lora is not None:
-            head += field(b"lora", getattr(lora, "lora_name", lora)) + field(b"path", getattr(lora, "lora_path", ""))
+        head = request_head(salt=getattr(request, "cache_salt", None), epoch=self.epoch,
+                            lora=None if lora is None else (str(getattr(lora, "lora_name", lora)),
+                                                            str(getattr(lora, "lora_path", ""))))
         if head:
             extras[0] = head
         spans = []
@@ -232,7 +226,7 @@ class SchedulerSide:
             if span is not None:
                 lo, hi = max(lo, span[0]), min(hi, span[1])
             if lo < hi:
-                spans.append((lo, hi, field(b"image", f.identifier).hex()))
+                spans.append((lo, hi, tagged(b"image", f.identifier).hex()))
         for i, more in image_extras(spans, self.chunk).items():
             extras[i] = extras.get(i, b"") + more
         return extras or None
