@@ -81,7 +81,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         return want[key]
 
     chat = turns(CHAT, 22, 3, ref_out)
-    for p in [*chat, *BATCH, *PAIR, *(prompt(300, s) for s in range(50, 55))]:
+    for p in [*chat, *BATCH, *PAIR, *(prompt(300, s) for s in range(50, 57))]:
         ref_out(p)
     alone.clear()  # one engine at a time
     gc.collect()
@@ -342,3 +342,42 @@ def test_after_reset_cache_no_load_comes_from_a_chunk_saved_before(stack, router
     assert_same([out.outputs[0]], [want[tuple(p)]])
     publish(llm, router)
     assert router.kvtier and router.kvtier == truth(llm)
+
+
+def test_a_reset_vllm_could_not_finish_saves_nothing_computed_over_its_old_blocks(stack, router):
+    llm, _, want, _ = stack
+    side = scheduler_side(llm)
+    p = prompt(300, 55)
+    run(llm, [p], wait=False)  # its save still holds its blocks: vLLM cannot clear its cache
+    assert llm.reset_prefix_cache(reset_connector=True) is False
+    assert drain(llm) and side._gpu_stale
+    out = run(llm, [p])[0]  # over vLLM's blocks cached before the reset (old weights, say)
+    assert out.num_cached_tokens >= 4 * CHUNK
+    llm.reset_prefix_cache()
+    again = run(llm, [p])[0]
+    assert again.num_cached_tokens == 0  # what was computed over them was not saved under the new epoch
+    assert_same([again.outputs[0]], [want[tuple(p)]])
+    assert llm.reset_prefix_cache(reset_connector=True) and not side._gpu_stale  # retried: it succeeds
+
+
+def test_a_request_preempted_by_a_reset_is_saved_under_the_new_epoch(stack, router):
+    from vllm import SamplingParams
+
+    llm, _, want, _ = stack
+    p = prompt(300, 56)
+    engine = llm.llm_engine
+    engine.add_request("across-reset", {"prompt_token_ids": p},
+                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1))
+    for _ in range(5):  # its prefill (four steps) and a token
+        engine.step()
+    # new weights while it runs: vLLM preempts it (its KV is recomputed), then resets
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert drain(llm)
+    assert_same([outs[0].outputs[0]], [want[tuple(p)]])
+    llm.reset_prefix_cache()
+    out = run(llm, [p])[0]
+    assert out.num_cached_tokens >= 4 * CHUNK  # computed again after the reset, and saved
+    assert_same([out.outputs[0]], [want[tuple(p)]])

@@ -4,12 +4,15 @@ classes. (Through a real vLLM engine and its ZMQ publisher: test_vllm_conversati
 
 from __future__ import annotations
 
+import time
 import types
+from array import array
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.engines.vllm.connector import _probe_or_raise
 from kvtier.engines.vllm.events import Blocks, KVEvents
 from kvtier.engines.vllm.stats import Deltas, KVTierPromMetrics, KVTierStats
 
@@ -27,9 +30,15 @@ def daemon(tmp_path):
     d.stop()
 
 
-def blocks(tokens: list[int], first_block: int, n: int, parent=None) -> Blocks:
+def blocks(tokens: list[int], first_block: int, n: int, after=None, parent=None) -> Blocks:
+    """Blocks of ``tokens`` as vLLM would hash them (any stable hash of the prefix will do)."""
     hashes = tuple(hash(("blk", tuple(tokens[: (first_block + i + 1) * BS]))) & (2**64 - 1) for i in range(n))
-    return Blocks(hashes, parent, tuple(tokens[first_block * BS : (first_block + n) * BS]), BS)
+    return Blocks(hashes, parent, array("q", tokens[first_block * BS : (first_block + n) * BS]), BS, after)
+
+
+def follow(events: KVEvents, keys, tokens) -> None:
+    for i, key in enumerate(keys):
+        events.remember(key, blocks(tokens, 2 * i, 2, after=keys[i - 1] if i else None))
 
 
 def apply(view: dict, events: list) -> dict:
@@ -39,23 +48,22 @@ def apply(view: dict, events: list) -> dict:
         assert ev.ownership == "kvtier"
         for h in ev.block_hashes:
             if isinstance(ev, BlockStored):
-                assert ev.medium not in view.get(h, set())
+                assert ev.medium not in view.get(h, set()), "announced twice"
                 view.setdefault(h, set()).add(ev.medium)
             else:
-                assert isinstance(ev, BlockRemoved) and ev.medium in view.get(h, set())
+                assert isinstance(ev, BlockRemoved) and ev.medium in view.get(h, set()), "never announced"
                 view[h].discard(ev.medium)
                 if not view[h]:
                     del view[h]
     return view
 
 
-def test_events_follow_the_daemon_dram_to_ssd_and_count_blocks_two_chunks_share(daemon):
+def test_events_follow_the_daemon_dram_to_ssd(daemon):
     client = daemon.client()
     tokens = list(range(4 * C))
     keys = client.keys_for(tokens)
-    events = KVEvents(client.probe)
-    for i, key in enumerate(keys):
-        events.remember(key, blocks(tokens, 2 * i, 2))
+    events = KVEvents(_probe_or_raise(client))
+    follow(events, keys, tokens)
     events.poll()
     assert events.take() == []  # nothing saved yet: nothing announced
     client.save(tokens[: 2 * C], make_kv(LAYOUT, 2 * C, seed=1))
@@ -63,53 +71,78 @@ def test_events_follow_the_daemon_dram_to_ssd_and_count_blocks_two_chunks_share(
     view = apply({}, events.take())
     first_two = [h for i in range(2) for h in blocks(tokens, 2 * i, 2).hashes]
     assert set(view) == set(first_two) and all(m == {"CPU"} for m in view.values())
+    assert events.take() == []  # taken once
 
     client.save(tokens, make_kv(LAYOUT, 4 * C, seed=2))  # DRAM holds two: the first two go to SSD only
     events.poll()
     view = apply(view, events.take())
     held = dict(zip(keys, client.probe(keys), strict=True))
+    assert {held[k] for k in keys} == {"host", "disk"}
     for i, key in enumerate(keys):
         want = {"host": {"CPU"}, "disk": {"STORAGE"}}[held[key]]
         assert all(view[h] == want for h in blocks(tokens, 2 * i, 2).hashes), (i, held[key])
-    assert {held[k] for k in keys} == {"host", "disk"}
-
-    # a partial chunk (the first block of chunk 3) covers a block chunk 3 covers: one announcement
-    tail = client.keys_for(tokens[: 3 * C] + [7] * C)[3]  # a key the daemon does not hold
-    events.remember(tail, blocks(tokens, 6, 1))
-    events.poll()
-    assert events.take() == []
-    events.clear()  # (a cache reset) everything announced is removed, each block once
+    events.clear()  # (a cache reset) everything announced is removed
     assert apply(view, events.take()) == {}
     client.close()
 
 
-def test_a_chunk_no_longer_followed_is_removed_and_an_unreachable_daemon_holds_nothing(daemon):
+def test_a_chunk_is_announced_only_with_every_chunk_before_it(daemon):
     client = daemon.client()
     tokens = list(range(2 * C))
     client.save(tokens, make_kv(LAYOUT, 2 * C, seed=3))
     keys = client.keys_for(tokens)
-    events = KVEvents(client.probe, max_chunks=1)
+    events = KVEvents(_probe_or_raise(client))
+    events.remember(keys[1], blocks(tokens, 2, 2, after=keys[0]))  # held, but chunk 0 is not followed
+    events.poll()
+    assert events.take() == []  # kvtier loads runs from the first chunk: not loadable as far as known
     events.remember(keys[0], blocks(tokens, 0, 2))
     events.poll()
-    view = apply({}, events.take())
-    assert len(view) == 2
-    events.remember(keys[1], blocks(tokens, 2, 2))  # past max_chunks: chunk 0 is forgotten
-    view = apply(view, events.take())
-    assert view == {}
+    assert set(apply({}, events.take())) == {h for i in range(2) for h in blocks(tokens, 2 * i, 2).hashes}
+    client.close()
+
+
+def test_a_block_two_chunks_cover_is_removed_with_the_last_of_them(daemon):
+    client = daemon.client()
+    a, b = list(range(C)), list(range(1000, 1000 + C))
+    client.save(a, make_kv(LAYOUT, C, seed=4))
+    client.save(b, make_kv(LAYOUT, C, seed=5))
+    ka, kb = client.keys_for(a)[0], client.keys_for(b)[0]
+    events = KVEvents(_probe_or_raise(client), max_chunks=2)
+    shared = blocks(a, 0, 2)
+    events.remember(ka, shared)
+    # (as a turn's partial chunk and the next turn's full chunk cover the same first block)
+    events.remember(kb, Blocks(shared.hashes[:1], None, shared.tokens[:BS], BS))
     events.poll()
+    view = apply({}, events.take())
+    assert set(view) == set(shared.hashes)  # the shared block once
+    events.remember(client.keys_for(list(range(2000, 2000 + C)))[0], blocks(a, 0, 1))  # ka is forgotten
     view = apply(view, events.take())
-    assert set(view) == set(blocks(tokens, 2, 2).hashes)
-    daemon.stop()  # unreachable: nothing is loadable
+    assert set(view) == set(shared.hashes[:1])  # still covered by kb
+    client.close()
+
+
+def test_an_unreachable_daemon_holds_nothing_after_two_polls_and_a_restart_is_announced_again(daemon):
+    client = daemon.client()
+    tokens = list(range(2 * C))
+    client.save(tokens, make_kv(LAYOUT, 2 * C, seed=3))
+    keys = client.keys_for(tokens)
+    events = KVEvents(_probe_or_raise(client))
+    follow(events, keys, tokens)
+    events.poll()
+    view = apply({}, events.take())
+    assert len(view) == 4
+    daemon.stop()
     client.retry_s = 0.01
     events.poll()
-    assert apply(view, events.take()) == {}
-    daemon.start()  # back, with its SSD: announced again from there
-    import time
-
+    assert events.take() == []  # one failed poll is not a loss
+    events.poll()
+    view = apply(view, events.take())
+    assert view == {}  # unreachable: nothing is loadable
+    daemon.start()  # back, with its SSD (write-through): announced again from there
     time.sleep(0.05)
     events.poll()
     view = apply(view, events.take())
-    assert set(view) == set(blocks(tokens, 2, 2).hashes) and all(m == {"STORAGE"} for m in view.values())
+    assert len(view) == 4 and all(m == {"STORAGE"} for m in view.values())
     client.close()
 
 

@@ -43,6 +43,7 @@ from kvtier.engines.vllm.plan import KVTierMetadata
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.engines.vllm.stats import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.engines.vllm.worker import WorkerSide
+from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,19 @@ def _ranks(role: KVConnectorRole) -> tuple[int, int]:
         return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
     except Exception:  # noqa: BLE001 - not initialized
         return 0, 0
+
+
+def _probe_or_raise(client: StoreClient):  # type: ignore[no-untyped-def]
+    """``client.probe``, raising DaemonUnavailable where it would answer "not held" because the
+    daemon could not be asked (KV events must tell the two apart)."""
+    def probe(keys):  # type: ignore[no-untyped-def]
+        before = client.errors
+        got = client.probe(keys)
+        if client.errors != before:
+            raise DaemonUnavailable("the daemon did not answer a probe")
+        return got
+
+    return probe
 
 
 def _tp_agree():  # type: ignore[no-untyped-def]
@@ -184,7 +198,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     raise ValueError(f"kv_connector_extra_config.events_max_chunks must be a positive integer, "
                                      f"got {max_chunks!r}")
                 self._events_client = client()  # its probes never wait behind the hints
-                self.scheduler.events = KVEvents(self._events_client.probe, max_chunks)
+                self.scheduler.events = KVEvents(_probe_or_raise(self._events_client), max_chunks)
                 self._poller = Poller(self.scheduler.events, _seconds(cfg, "events_poll_ms", 500.0) / 1000)
 
     def profile_counters(self) -> dict[str, float]:

@@ -66,6 +66,9 @@ PENDING_FREE_S = 0.5
 """How long after a request finished its save's blocks count as about to be freed
 (``has_pending_block_frees``); a save slower than that (a stalled daemon) lets vLLM preempt as
 it would."""
+STALE = b"stale"
+"""The epoch of a request whose KV kvtier must never save: admitted over vLLM blocks cached
+before a cache reset that did not clear vLLM's own cache (they may be the old weights')."""
 ROOM_WAIT_S = 0.002
 """How long in all, in a step in which requests run, the loop waits for the first answers of
 requests vLLM's pool has room for (the step then admits them: a prefill step; a decode-only
@@ -198,6 +201,9 @@ class SchedulerSide:
         """None until vLLM resets its cache (``reset_cache``: new weights), then 16 random
         bytes chained into every key, new at each reset: chunks saved before it never match
         again, and age out of the tiers."""
+        self._gpu_stale = False
+        """The last reset did not clear vLLM's own prefix cache (blocks were held): requests
+        admitted over local hits may compute over old-weight KV, and are not saved."""
         self.events: KVEvents | None = None
         """vLLM's KV events for what kvtier holds (set by the connector when vLLM publishes)."""
         self.hash_block_size = block_size
@@ -384,8 +390,16 @@ class SchedulerSide:
         self._forget_pending(rid)
         self._promoted.discard(rid)
         tr = self._tracked.get(rid)
+        # over vLLM blocks cached before a reset that did not clear them: never saved
+        tainted = self._gpu_stale and (found is None or found.local > 0)
+        epoch = STALE if tainted else self.epoch
         if tr is None:
-            tr = self._tracked[rid] = _Tracked(request, epoch=self.epoch)
+            tr = self._tracked[rid] = _Tracked(request, epoch=epoch)
+        elif tr.epoch != self.epoch and not tainted:
+            # admitted again (preempted by the reset, or before it; vLLM reports the
+            # preemption only at the end of this schedule): its KV is computed again from what
+            # vLLM and kvtier hold now, with the new weights: saved under the new epoch
+            tr.epoch, tr.keys, tr.stored = self.epoch, [], 0
         tr.block_ids = list(blocks.get_block_ids()[0])
         tr.phase = Phase.RUNNING
         if skipped(request):
@@ -429,7 +443,8 @@ class SchedulerSide:
             sources[tier] = sources.get(tier, 0) + max(0, hi - lo)
             self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + max(0, hi - lo)
         self._sources[rid] = sources
-        self._remember(request, keys, first, tail)
+        if keys:
+            self._remember(request, found.keys[:full], found.keys[full] if tail else None, tail)
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
         """The tiers the request's external tokens come from (tokens per tier name)."""
@@ -488,7 +503,7 @@ class SchedulerSide:
             keys = self._keys_of(tr, full)
             if len(keys) == full:
                 meta.saves.append(Transfer(rid, keys[tr.stored :], tr.stored, tr.block_ids[: full * self.per_chunk]))
-                self._remember(tr.request, keys[tr.stored :], tr.stored, 0)
+                self._remember(tr.request, keys)
                 tr.stored = full
 
     def request_finished(self, request, block_ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
@@ -526,7 +541,7 @@ class SchedulerSide:
                 keys.append(self._tail_key(request, tr.keys, tokens, full, tail))
         except DaemonUnavailable:
             return False
-        self._remember(request, keys, first, tail)
+        self._remember(request, tr.keys[:full], keys[-1] if tail else None, tail)
         tr.phase = Phase.FINISHING
         self._freeing[rid] = time.monotonic()
         self._free_credits += 1
@@ -575,32 +590,55 @@ class SchedulerSide:
 
     # -- cache reset, events, counters --------------------------------------------------------
     def reset_cache(self) -> bool:
-        """vLLM reset its prefix cache (``/reset_prefix_cache?reset_external=true``; an RL
-        loop's weight update): from now on no load is served from a chunk saved before.
-        A new epoch is chained into every key; answers and promotions made before are
-        dropped; requests admitted before save nothing more (their KV may be the old
-        weights'); every chunk announced in KV events is removed. Runs on vLLM's engine
-        thread between steps; the daemon is not asked (the old chunks age out), so it
-        cannot fail."""
+        """vLLM reset its prefix cache (``/reset_prefix_cache?reset_external=true``;
+        ``pause_generation(clear_cache=True)``: new weights): from now on no load is served
+        from a chunk saved before. A new epoch is chained into every key; answers and
+        promotions made before are dropped; requests admitted before save nothing more unless
+        they are computed again from the start (preempted, then resumed); every chunk
+        announced in KV events is removed. vLLM resets its own cache first: when that failed
+        (blocks were held -- vLLM then returns False, and the caller must retry), requests
+        admitted over vLLM's local hits are not saved until a reset succeeds, since those hits
+        may be the old weights'. Runs on vLLM's engine thread between steps; the daemon is not
+        asked (the old chunks age out), so kvtier's part cannot fail."""
         self.epoch = secrets.token_bytes(16)
+        pool = self.block_pool
+        try:  # (vLLM's own test: every block but the null one free)
+            self._gpu_stale = pool is None or int(pool.num_gpu_blocks) - int(pool.get_num_free_blocks()) != 1
+        except Exception:  # noqa: BLE001 - unknown: assume the worst
+            self._gpu_stale = True
         for rid in list(self._pending):
             self._forget_pending(rid)
         self._lookups.clear()
         self._promoted.clear()
         if self.events is not None:
             self.events.clear()
-        log.info("kvtier: cache reset: chunks saved before it are no longer loaded")
+        if self._gpu_stale:
+            log.warning("kvtier: cache reset while vLLM's prefix cache held blocks: requests over "
+                        "its cached blocks are not saved until a reset clears them")
+        else:
+            log.info("kvtier: cache reset: chunks saved before it are no longer loaded")
         return True
 
-    def _remember(self, request, keys: list[ChunkKey], first: int, tail: int) -> None:  # type: ignore[no-untyped-def]
-        """Follow chunks ``first...`` of ``request`` (the last a partial chunk of ``tail``
-        blocks when ``tail``) for KV events, with vLLM's hashes of their blocks."""
-        if self.events is None:
+    def _remember(self, request, full: list[ChunkKey], tail: ChunkKey | None = None,  # type: ignore[no-untyped-def]
+                  tail_blocks: int = 0) -> None:
+        """Follow chunks ``0..`` of ``request`` for KV events (``full``: the keys of its full
+        chunks from the first; then a partial chunk of ``tail_blocks`` blocks), with vLLM's
+        hashes of their blocks."""
+        events = self.events
+        if events is None:
             return
-        for j, key in enumerate(keys):
-            part = tail if tail and j == len(keys) - 1 else self.per_chunk
-            self.events.remember(key, request_blocks(request, (first + j) * self.per_chunk, part,
-                                                     self.block_size, self.hash_block_size))
+        try:
+            after = None
+            for j, key in enumerate(full):
+                if not events.follows(key):
+                    events.remember(key, request_blocks(request, j * self.per_chunk, self.per_chunk,
+                                                        self.block_size, self.hash_block_size, after))
+                after = key
+            if tail is not None and tail_blocks and not events.follows(tail):
+                events.remember(tail, request_blocks(request, len(full) * self.per_chunk, tail_blocks,
+                                                     self.block_size, self.hash_block_size, after))
+        except Exception:
+            log.exception("kvtier: KV events: cannot follow request %s", getattr(request, "request_id", "?"))
 
     def take_events(self) -> list[object]:
         return self.events.take() if self.events is not None else []

@@ -8,12 +8,15 @@ logs stats (not with ``--disable-log-stats``; an offline ``LLM`` does not by def
 
 Metrics (``model_name`` and ``engine`` labels as vLLM's own; counters end in ``_total``):
 
-- ``vllm:kvtier_lookups_total`` lookups sent to the daemon; ``vllm:kvtier_lookup_timeouts_total``
-  lookups that were misses because the daemon did not answer in time;
-- ``vllm:kvtier_hit_tokens_total{tier=...}`` tokens vLLM took from kvtier, by the tier they
-  were found in (``host``, ``disk``, a remote tier's name);
+- ``vllm:kvtier_lookups_total`` lookups made (one dropped before it was sent included);
+  ``vllm:kvtier_lookup_timeouts_total`` requests that missed because the daemon had not
+  answered in time or was stalled (then no call is made);
+- ``vllm:kvtier_hit_tokens_total{tier=...}`` tokens of the loads planned from kvtier, by the tier
+  they were found in (``host``, ``disk``, a remote tier's name; a load that then fails is in
+  ``load_failures`` too; a request preempted and loaded again counts again);
 - ``vllm:kvtier_load_failures_total`` requests whose load failed (their blocks recomputed),
-  ``vllm:kvtier_load_error_blocks_total`` the blocks;
+  ``vllm:kvtier_load_error_blocks_total`` their blocks, as each tensor-parallel rank reports
+  them (summed over the ranks);
 - ``vllm:kvtier_loaded_bytes_total``, ``vllm:kvtier_saved_bytes_total`` bytes copied between
   vLLM's blocks and the daemon's DRAM; ``vllm:kvtier_saves_skipped_total`` chunk saves a worker
   skipped because the daemon was slow (planned again);
@@ -39,10 +42,10 @@ HIT_PREFIX = "hit_tokens:"
 """``data`` keys of tokens taken from a tier: ``hit_tokens:<tier>``."""
 
 COUNTERS: dict[str, str] = {
-    "lookups": "Lookups sent to kvtier's daemon",
-    "lookup_timeouts": "Lookups that were misses because the daemon did not answer in time",
+    "lookups": "Lookups kvtier made of its daemon",
+    "lookup_timeouts": "Requests that missed because kvtier's daemon had not answered in time or was stalled",
     "load_failures": "Requests whose load from kvtier failed (their blocks were recomputed)",
-    "load_error_blocks": "Blocks whose load from kvtier failed",
+    "load_error_blocks": "Blocks whose load from kvtier failed (summed over tensor-parallel ranks)",
     "loaded_bytes": "Bytes copied from kvtier's DRAM into vLLM's blocks",
     "saved_bytes": "Bytes copied from vLLM's blocks into kvtier's DRAM",
     "saves_skipped": "Chunk saves a worker skipped because the daemon was slow (planned again)",
@@ -116,7 +119,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for name, doc in GAUGES.items()
         }
         self._hits = self._counter_cls(name="vllm:kvtier_hit_tokens",
-                                       documentation="Tokens vLLM took from kvtier, by the tier they were found in",
+                                       documentation="Tokens of the loads planned from kvtier, by the tier they were found in",
                                        labelnames=[*labelnames, "tier"])
         self._hit_children: dict[tuple[int, str], Any] = {}
 

@@ -78,12 +78,12 @@ class WorkerSide:
         self.load_wait_s = load_wait_s
         self._calls = Calls("kvtier-step")
         self._unsaved: dict[str, int] = {}
+        """Saves of this step skipped because the daemon did not answer in time (request ->
+        first chunk), for the scheduler (:meth:`take_meta`)."""
         self.saves_skipped = 0
         """Saves skipped because the daemon was slow (each planned again)."""
         self.load_error_blocks = 0
-        """Blocks reported to vLLM as failed loads."""
-        """Saves of this step skipped because the daemon did not answer in time (request ->
-        first chunk), for the scheduler (:meth:`take_meta`)."""
+        """Blocks this rank reported to vLLM as failed loads."""
         self._bg_client = background
         self.layout = layout
         self.block_size = block_size
