@@ -301,11 +301,17 @@ class ChunkCache:
                 self._lock.release()
         return hit
 
-    def held(self, keys: Sequence[ChunkKey], *, tenant: str | None = None) -> list[int | None]:
+    def held(self, keys: Sequence[ChunkKey], *, tenant: str | None = None,
+             remote: bool = False) -> list[int | None]:
         """The fastest level holding each of ``keys``, each on its own (not a prefix; None: not
         held). Lock-free as :meth:`lookup_keys` is, and advice as it is; touches and counts
         nothing: it probes candidates (the partial chunks an engine may have saved) and the
-        engine's load of the one it picks is what counts."""
+        engine's load of the one it picks is what counts. ``remote``: the remote tier is asked
+        (one round trip, outside the lock) for those held nowhere here -- a partial chunk
+        another machine saved -- else only what the index knows is answered."""
+        if remote and self._remote_level is not None:
+            with self.mover.shaped(None, tenant):
+                self._remote_level.probe_each(list(keys), tenant or "")
         return [self.index.fastest(key) for key in keys]
 
     def _record_lookups(self) -> None:
@@ -654,13 +660,14 @@ class ChunkCache:
 
     def snapshot(self) -> dict[str, object]:
         """Capacity, use and counters per tier, and the store's own counters."""
+        used = [t.used for t in self.tiers]  # (a remote tier's is a round trip: never under the lock)
         with self._section:
             s, ps = self.stats, self.placement.stats
             return {
                 "tiers": {
                     t.name: {
                         "capacity_bytes": t.capacity,
-                        "used_bytes": t.used,
+                        "used_bytes": used[level],
                         "chunks": self.index.count(level),
                         "hits": s.hits[t.name],
                         "misses": s.misses[t.name],

@@ -108,6 +108,40 @@ class RemoteLevel:
                     self._absent.popitem(last=False)
             self._trim()
 
+    def probe_each(self, keys: Sequence[ChunkKey], tenant: str = "") -> None:
+        """Ask the remote tier, in one round trip and without the lock, for each of ``keys``
+        on its own (candidates, not a sequence: the partial chunks an engine may have saved)
+        not held locally nor known there recently; index what it holds, unlist what it no
+        longer has."""
+        level, now = self.level, time.monotonic()
+        with self._lock:
+            index, seen = self.index, self._seen
+            rest = [k for k in keys
+                    if (index.fastest(k) is None or index.fastest(k) == level)
+                    and not (index.holds(k, level) and now - seen.get(k, -1e18) < self.verify_s)
+                    and self._absent.get(k, 0.0) <= now]
+        if not rest:
+            return
+        try:
+            found = self.tier.contains_many(rest)
+        except Exception:  # noqa: BLE001 - unreachable: nothing learned (a lookup is advice)
+            return
+        with self._lock:
+            now = time.monotonic()
+            for key, there in zip(rest, found, strict=True):
+                if there:
+                    self.placement.added(key, level)
+                    self._seen_now(key, tenant, now)
+                    self._absent.pop(key, None)
+                else:
+                    if self.index.holds(key, level) and self.index.fastest(key) == level:
+                        self.unlist(key)
+                    self._absent[key] = now + self.miss_s
+                    self._absent.move_to_end(key)
+            while len(self._absent) > MAX_ABSENT:
+                self._absent.popitem(last=False)
+            self._trim()
+
     def _trim(self) -> None:
         """Forget the oldest remote chunks past :data:`MAX_REMOTE_KEYS` (hints only: they are
         asked for again). Under the lock."""

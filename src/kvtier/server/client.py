@@ -397,14 +397,18 @@ class StoreClient:
             return []
         return [str(t) for t in tiers]
 
-    def probe(self, keys: Sequence[ChunkKey], *, tenant: str | None = None) -> list[str | None]:
+    def probe(self, keys: Sequence[ChunkKey], *, tenant: str | None = None,
+              remote: bool = False) -> list[str | None]:
         """The fastest tier holding each of ``keys``, each on its own (None: not held, or the
         daemon is unavailable). Touches and counts nothing: it is for choosing among candidates
-        (which partial chunk of a sequence is held), which a later acquire confirms."""
+        (which partial chunk of a sequence is held), which a later acquire confirms. ``remote``:
+        the daemon asks its remote tier for those it holds nowhere itself (one round trip: a
+        partial chunk another machine saved), else answers from what it knows."""
         if not keys:
             return []
         try:
-            _, reply = self._link.call("probe", keys=list(keys), tenant=tenant)
+            extra = {"remote": True} if remote else {}
+            _, reply = self._link.call("probe", keys=list(keys), tenant=tenant, **extra)
             tiers = reply.get("tiers")
             if not isinstance(tiers, list) or len(tiers) != len(keys) \
                     or not all(t is None or isinstance(t, str) for t in tiers):

@@ -86,9 +86,13 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
 
 def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
     _, keys, tenant = daemon.bound(session, req)
+    remote = req.get("remote", False)
+    if not isinstance(remote, bool):
+        raise BadRequest(f"probe remote must be true or false, got {remote!r:.40}")
     assert daemon.cache is not None
     names = [t.name for t in daemon.cache.tiers]
-    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in daemon.cache.held(keys, tenant=tenant)]}
+    held = daemon.cache.held(keys, tenant=tenant, remote=remote)
+    return {"ok": True, "tiers": [None if lvl is None else names[lvl] for lvl in held]}
 
 def _entry_shapes(req: dict[str, object], ns: ClientNamespace, count: int) -> tuple[Shape, Shape | None]:
     """(the shape of a full chunk, the shape of the request's last chunk when ``tail_tokens``

@@ -377,7 +377,7 @@ class SchedulerSide:
         if room > 0 and m * self.chunk + room * self.block_size > num_computed_tokens:
             sizes = list(range(room, 0, -1))
             candidates = [self._tail_key(request, keys, tokens, m, k) for k in sizes]
-            held = self.client.probe(candidates)
+            held = self.client.probe(candidates, remote=True)  # (another machine's tail too)
             tail = next((k for k, t in zip(sizes, held, strict=True) if t is not None), 0)
             if tail:
                 keys = [*keys[:m], candidates[sizes.index(tail)]]
