@@ -137,3 +137,44 @@ def test_a_refused_peer_is_reported_by_its_root_cause_not_the_engines_wrapper():
     assert refusal(log) == ("(EngineCore pid=2) RuntimeError: CPU Offloading is currently only supported on "
                             "CUDA-alike and XPU GPUs")
     assert refusal("RuntimeError: Engine core initialization failed.\n").startswith("RuntimeError: Engine core")
+
+
+def test_a_fleet_routes_each_turn_by_its_rule_and_refuses_what_it_cannot_serve(monkeypatch):
+    """Two instances: round-robin moves every later turn to the other instance, sticky keeps a
+    conversation on one; each instance gets its own core; peers and too few cores are refused."""
+    pytest.importorskip("openai")
+    from click.testing import CliRunner
+
+    from kvtier.bench import chat_client
+    from kvtier.bench.chat_client import PlannedTurn, run_conversations
+    from kvtier.bench.serve_fleet import cpu_binds, route_of
+    from kvtier.cli import main
+
+    sent: list[tuple[int, str]] = []
+
+    async def fake_turn(client, model, messages, reply_tokens):  # type: ignore[no-untyped-def]
+        sent.append((len(messages) // 2, str(client.base_url)))
+        return 0.01, 0.001, 10 * len(messages), 0, reply_tokens, "reply"
+
+    monkeypatch.setattr(chat_client, "_stream_turn", fake_turn)
+    urls = ["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"]
+    plans = [[PlannedTurn("hi", 2)] * 3]
+    for route, expected in (("round-robin", [0, 1, 0]), ("sticky", [0, 0, 0])):
+        sent.clear()
+        records = run_conversations(urls, "m", plans, in_flight=1, think_s=0, router=route_of(route, 2))
+        assert [t for t, _ in sent] == [0, 1, 2] and len(records) == 3
+        assert [u for _, u in sent] == [urls[i] + "/" for i in expected]
+    assert [route_of("round-robin", 2)(1, t) for t in range(3)] == [1, 0, 1]
+    assert [route_of("sticky", 2)(c, 5) for c in range(3)] == [0, 1, 0]
+    assert cpu_binds("0-1", 2) == ["0", "1"] and cpu_binds("0-3", 2) == ["0,1", "2,3"]
+    with pytest.raises(ValueError, match="needs a server"):
+        run_conversations(urls, "m", plans, in_flight=1, think_s=0)  # two servers and no router
+
+    def refused(*args: str) -> str:
+        result = CliRunner().invoke(main, ["bench", "serve", *args])
+        assert result.exit_code == 2
+        return result.output
+
+    assert "--instances > 1 supports kvtier and vllm only" in refused("--instances", "2", "--peers", "lmcache")
+    assert "needs at least as many cores" in refused("--instances", "3", "--cpu-bind", "0-1")
+    assert "Invalid value for '--route'" in refused("--route", "random")

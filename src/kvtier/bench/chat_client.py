@@ -2,7 +2,9 @@
 
 Each user holds one conversation: it sends a turn, reads the streamed reply, keeps the model's
 own reply in its history (as a real chat client does), thinks, and sends the next turn. At most
-``in_flight`` conversations are open at once; when one ends the next one starts.
+``in_flight`` conversations are open at once; when one ends the next one starts. Given several
+servers, a router (a function of conversation and turn) picks the one each turn goes to: the
+history travels with the request, so any server can take any turn.
 
 A turn's TTFT is the time from sending the request to the first streamed chunk (vLLM sends
 nothing before the first token is sampled); its TPOT is the time from that chunk to the last
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PlannedTurn", "TurnRecord", "run_conversations", "warm_up"]
+__all__ = ["PlannedTurn", "Router", "TurnRecord", "run_conversations", "warm_up"]
+
+Router = Callable[[int, int], int]
+"""(conversation, turn) -> the index of the server that turn goes to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +83,12 @@ async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply
     return first - t0, tpot, int(usage.prompt_tokens), cached, n, "".join(parts)
 
 
-async def _run(base_url: str, model: str, plans: Sequence[Sequence[PlannedTurn]], in_flight: int,
-               think_s: float, timeout_s: float) -> list[TurnRecord]:
+async def _run(base_urls: Sequence[str], router: Router, model: str, plans: Sequence[Sequence[PlannedTurn]],
+               in_flight: int, think_s: float, timeout_s: float) -> list[TurnRecord]:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout_s, max_retries=0)
+    clients = [AsyncOpenAI(base_url=url, api_key="unused", timeout=timeout_s, max_retries=0)
+               for url in base_urls]
     gate = asyncio.Semaphore(in_flight)
     records: list[TurnRecord] = []
     start = time.perf_counter()
@@ -96,25 +102,31 @@ async def _run(base_url: str, model: str, plans: Sequence[Sequence[PlannedTurn]]
                 messages.append({"role": "user", "content": planned.user})
                 sent = time.perf_counter() - start
                 ttft, tpot, prompt, cached, n, reply = await _stream_turn(
-                    client, model, messages, planned.reply_tokens)
+                    clients[router(index, turn)], model, messages, planned.reply_tokens)
                 records.append(TurnRecord(index, turn, sent, ttft, tpot, prompt, cached, n, reply))
                 messages.append({"role": "assistant", "content": reply})
 
     try:
         await asyncio.gather(*(converse(i, plan) for i, plan in enumerate(plans)))
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return sorted(records, key=lambda r: (r.conversation, r.turn))
 
 
-def run_conversations(base_url: str, model: str, plans: Sequence[Sequence[PlannedTurn]], *,
-                      in_flight: int, think_s: float, timeout_s: float = 600.0) -> list[TurnRecord]:
-    """Hold every conversation of ``plans`` against the server at ``base_url`` (``.../v1``);
-    the records of all turns, by conversation and turn. A failed request raises (a benchmark
-    with a failed turn has no meaning)."""
+def run_conversations(base_url: str | Sequence[str], model: str, plans: Sequence[Sequence[PlannedTurn]], *,
+                      in_flight: int, think_s: float, timeout_s: float = 600.0,
+                      router: Router | None = None) -> list[TurnRecord]:
+    """Hold every conversation of ``plans`` against the server at ``base_url`` (``.../v1``), or
+    against several, each turn sent to ``base_url[router(conversation, turn)]``; the records of
+    all turns, by conversation and turn. A failed request raises (a benchmark with a failed turn
+    has no meaning)."""
     if in_flight <= 0 or think_s < 0:
         raise ValueError("in_flight must be positive and think_s not negative")
-    return asyncio.run(_run(base_url, model, plans, in_flight, think_s, timeout_s))
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not urls or (router is None and len(urls) > 1):
+        raise ValueError("run_conversations needs a server, and a router to spread turns over several")
+    return asyncio.run(_run(urls, router or (lambda _c, _t: 0), model, plans, in_flight, think_s, timeout_s))
 
 
 def warm_up(base_url: str, model: str) -> None:

@@ -25,7 +25,9 @@ Configurations, both with the same vLLM flags and ``VLLM_CPU_OMP_THREADS_BIND``:
 run and as the median and range over the runs, computed over the requests every run of every
 configuration completed (matched by conversation and turn). ``profile`` wraps each connector in
 the timing proxy (:mod:`kvtier.bench.peers.connector_profile`) and reports its per-step table
-(:mod:`kvtier.bench.peers.profile_report`).
+(:mod:`kvtier.bench.peers.profile_report`). ``instances`` > 1 serves each configuration
+(``vllm`` and ``kvtier`` only) by that many instances behind a router, ``route`` ``sticky`` or
+``round-robin``, kvtier's daemons sharing a remote tier (:mod:`kvtier.bench.serve_fleet`).
 
 Per configuration: TTFT of first and of later turns, TPOT, requests/s, for later turns the
 tokens vLLM computed beyond the turn's new tokens (new = this prompt - previous prompt -
@@ -105,6 +107,11 @@ class ServeBenchConfig:
     """The Python of an environment with LMCache and vLLM (None: made on first use)."""
     cache_dir: str | None = None
     """Where peers' environments are made (None: ``$KVTIER_HOME`` or ``~/.cache/kvtier``)."""
+    instances: int = 1
+    """vLLM instances per configuration (:mod:`kvtier.bench.serve_fleet`); > 1: vllm and kvtier only."""
+    route: str = "sticky"
+    """Which instance a turn goes to: ``sticky`` (a conversation stays on one) or ``round-robin``
+    (every turn moves to the next)."""
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "in_flight", "max_user_tokens", "max_reply_tokens",
@@ -129,6 +136,16 @@ class ServeBenchConfig:
                 raise ValueError(f"bench serve policy must be one of {', '.join(LIVE_POLICIES)}, got {self.policy!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"bench serve repeats must be a positive integer, got {self.repeats!r}")
+        from kvtier.bench.serve_fleet import ROUTES, cpu_binds
+
+        if isinstance(self.instances, bool) or not isinstance(self.instances, int) or self.instances < 1:
+            raise ValueError(f"bench serve instances must be a positive integer, got {self.instances!r}")
+        if self.route not in ROUTES:
+            raise ValueError(f"bench serve route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+        if self.instances > 1:
+            if self.peers:
+                raise ValueError("--instances > 1 supports kvtier and vllm only (drop --peers)")
+            cpu_binds(self.cpu_bind, self.instances)  # enough cores for every instance
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -327,6 +344,12 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
                     continue
                 tmp = Path(tmpdir) / f"run{repeat}"
                 profile_dir = tmp / f"{name}-profile" if config.profile else None
+                if config.instances > 1:
+                    from kvtier.bench.serve_fleet import run_fleet
+
+                    runs.append(run_fleet(name, repeat, config, model_dir, work, tmp, profile_dir, progress))
+                    shutil.rmtree(tmp / name, ignore_errors=True)
+                    continue
                 stack_cfg = stack_config(name, config, model_dir, work, tmp, lmcache_py, profile_dir)
                 try:
                     runs.append(_run_one(name, repeat, stack_cfg, config, work, progress))
@@ -343,6 +366,17 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
         notes.append("LMCache ran through kvtier.bench.peers.lmcache_cpu: LMCache 0.5.6 ships no CPU "
                      "paged-KV copier for vLLM's CPU backend, and that adapter supplies one (it only "
                      "moves bytes)")
+    if config.instances > 1:
+        from kvtier.bench.serve_fleet import cpu_binds
+
+        binds = cpu_binds(config.cpu_bind, config.instances)
+        notes.append(f"{config.instances} vLLM instances per configuration, {config.route} routing; "
+                     "VLLM_CPU_OMP_THREADS_BIND " + ", ".join(f"instance {i}: {b}" for i, b in enumerate(binds))
+                     + " in every configuration; kvtier: a daemon per instance with the DRAM and SSD "
+                       "budgets of one, all sharing one Valkey remote tier (write-through)")
     workload = {"conversations": work.ids, "final_tokens": work.final_tokens,
                 "kv_bytes_per_token": work.kv_bytes_per_token, "kv_bytes": work.kv_bytes}
-    return build_report(asdict(config), workload, runs, refused, notes)
+    settings = asdict(config)
+    if config.instances == 1:  # a single instance's report stays as it was before fleets
+        del settings["instances"], settings["route"]
+    return build_report(settings, workload, runs, refused, notes)

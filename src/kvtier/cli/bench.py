@@ -295,17 +295,26 @@ def bench_daemon(seconds: float, workers: int, dram_chunks: int, disk_bytes: int
               help="Wrap every connector in a timing proxy: per-step time in each hook, round trips, bytes.")
 @click.option("--lmcache-python", type=click.Path(dir_okay=False, exists=True), default=None,
               help="The Python of an environment with LMCache and vLLM [default: made on first use].")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vLLM instances per configuration, each on its share of --cpu-bind's cores; kvtier: "
+                   "a daemon each, sharing one Valkey remote tier (vllm and kvtier only).")
+@click.option("--route", type=click.Choice(["sticky", "round-robin"]), default="sticky", show_default=True,
+              help="With --instances > 1: a conversation stays on instance c % N (sticky), or turn t "
+                   "goes to instance (c + t) % N (round-robin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
                 cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, peers: str,
-                repeats: int, profile: bool, lmcache_python: str | None, as_json: bool) -> None:
+                repeats: int, profile: bool, lmcache_python: str | None, instances: int, route: str,
+                as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
     (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD) and its peers
     (``--peers``: LMCache, LMCache saving decoded tokens, vLLM's OffloadingConnector), one after
-    the other, ``--repeats`` times interleaved."""
+    the other, ``--repeats`` times interleaved; ``--instances`` serves each by several vLLM
+    instances behind a ``--route`` router."""
     from kvtier.bench.serve import RequestFailed, ServeBenchConfig, run_serve_bench
+    from kvtier.bench.servers import ServerError
     from kvtier.launch import ChildDied, StartTimeout
 
     try:
@@ -316,13 +325,13 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
             pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
             directory=directory, load_async=load_async, policy=policy,
             peers=tuple(p.strip() for p in peers.split(",") if p.strip()), repeats=repeats,
-            profile=profile, lmcache_python=lmcache_python)
+            profile=profile, lmcache_python=lmcache_python, instances=instances, route=route)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     err = Console(stderr=True)
     try:
         report = run_serve_bench(config, progress=lambda m: err.log(m))
-    except (ValueError, ChildDied, StartTimeout, RequestFailed) as exc:
+    except (ValueError, ChildDied, StartTimeout, RequestFailed, ServerError) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
         emit_json(report.as_dict())
@@ -697,7 +706,9 @@ def _print_serve(report: ServeBenchReport) -> None:
     w = report.workload
     finals: list[int] = w["final_tokens"]  # type: ignore[assignment]
     repeats = report.config["repeats"]
-    table = Table(title=f"bench serve: {len(finals)} ShareGPT conversations, "
+    instances = int(report.config.get("instances", 1))  # type: ignore[call-overload]
+    fleet = f"{instances} instances, {report.config['route']} routing; " if instances > 1 else ""
+    table = Table(title=f"bench serve: {fleet}{len(finals)} ShareGPT conversations, "
                         f"{report.config['turns']} turns, {report.config['in_flight']} in flight, "
                         f"think {report.config['think_s']} s; final histories "
                         f"{min(finals)}-{max(finals)} tokens; {report.matched_requests} requests "
@@ -716,6 +727,12 @@ def _print_serve(report: ServeBenchReport) -> None:
             f = report.summary[name][key]
             cells.append(f"{fmt(f['median'])} [{fmt(f['min'])}-{fmt(f['max'])}]")
         table.add_row(label, *cells)
+        if key == "ttft_later_mean_s" and instances > 1:  # the fleet's figure of merit: its median too
+            from kvtier.bench.serve_report import spread
+
+            p50 = {n: spread([r.ttft_later_s["p50"] for r in report.results if r.name == n]) for n in names}
+            table.add_row("TTFT later turns ms, median", *[
+                f"{ms(p50[n]['median'])} [{ms(p50[n]['min'])}-{ms(p50[n]['max'])}]" for n in names])
     same = {n: [r for r in report.results if r.name == n] for n in names}
     table.add_row("replies identical to vllm's", *[
         "yes" if all(r.same_replies_as_vllm for r in same[n]) else
@@ -723,6 +740,13 @@ def _print_serve(report: ServeBenchReport) -> None:
     table.add_row("kvtier tokens taken DRAM / SSD (last run)", *[
         f"{same[n][-1].kvtier.get('host_tokens_taken', 0)} / {same[n][-1].kvtier.get('disk_tokens_taken', 0)}"
         if same[n][-1].kvtier else "-" for n in names])
+    if instances > 1:
+        def remote(kv: dict[str, int]) -> int:  # the remote tier counts under its backend's name
+            return sum(v for k, v in kv.items() if k.endswith("_tokens_taken") and k not in
+                       ("host_tokens_taken", "disk_tokens_taken"))
+
+        table.add_row("kvtier tokens taken from the shared remote tier (last run)", *[
+            str(remote(same[n][-1].kvtier)) if same[n][-1].kvtier else "-" for n in names])
     console = Console()
     console.print(table)
     for name, error in report.refused.items():
