@@ -260,9 +260,14 @@ def _hub_cache() -> Path:
 def _snapshot(repo: Path, revision: str) -> Path | None:
     """``snapshots/<commit>`` for a branch or tag (via ``refs/``) or a commit hash, if cached."""
     commit = revision
+    if "\0" in revision or ".." in revision.split("/") or revision.startswith("/"):
+        return None  # (a name of a branch or tag, never a path out of the repo)
     ref = repo / "refs" / revision
     if ref.is_file():
-        commit = ref.read_text().strip()
+        with open(ref, "rb") as f:
+            commit = f.read(64).decode("ascii", "replace").strip()
+        if not _COMMIT.fullmatch(commit):
+            return None
     elif not _COMMIT.fullmatch(revision):
         return None
     snapshot = repo / "snapshots" / commit

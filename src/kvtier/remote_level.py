@@ -133,9 +133,7 @@ class RemoteLevel:
                     self.placement.added(key, level)
                     self._seen_now(key, tenant, now)
                     self._absent.pop(key, None)
-                else:
-                    if self.index.holds(key, level) and self.index.fastest(key) == level:
-                        self.unlist(key)
+                else:  # (not unlisted: a tier that cannot be reached answers "absent" too)
                     self._absent[key] = now + self.miss_s
                     self._absent.move_to_end(key)
             while len(self._absent) > MAX_ABSENT:

@@ -11,6 +11,8 @@ import pytest
 
 from kvtier.core.keys import chunk_tokens_of, tail_key
 from kvtier.core.request_extras import request_head
+from kvtier.engines.chat_render import ChatRenderer
+from kvtier.errors import ConfigError
 from kvtier.server.client import StoreClient
 from kvtier.server.config import daemon_config
 from kvtier.server.http import MAX_TOKENS
@@ -54,10 +56,10 @@ class Port:
 
 @pytest.fixture
 def service(tmp_path):
-    raw = {"socket": str(tmp_path / "kv.sock"), "metrics_port": 0, "write_through": False,
+    raw = {"socket": str(tmp_path / "kv.sock"), "metrics_port": 0, "http_lookup": True, "write_through": False,
            "host": {"capacity_bytes": 4 * LAYOUT.chunk_bytes, "extent_bytes": LAYOUT.chunk_bytes},
            "disk": {"path": str(tmp_path / "ssd"), "capacity_bytes": 64 * LAYOUT.chunk_bytes}}
-    svc = StoreService(daemon_config(raw)).start()
+    svc = StoreService(daemon_config(raw), render_chat=ChatRenderer()).start()
     svc.clients = []  # type: ignore[attr-defined]
     yield svc
     for c in svc.clients:  # type: ignore[attr-defined]
@@ -231,8 +233,9 @@ NS = {"model": MODEL, "layout": LAYOUT_MAP}
 BAD = [  # (method, path, body, headers, status, what the error names)
     ("GET", "/v1/lookup", None, {}, 405, "takes POST"),
     ("POST", "/v1/namespaces", b"{}", {}, 405, "takes GET"),
-    ("POST", "/metrics", b"{}", {}, 405, "takes GET"),
-    ("GET", "/v2/lookup", None, {}, 404, "no such path"),
+    ("POST", "/metrics", b"{}", {}, 405, "read with GET"),
+    ("GET", "/v1/nope", None, {}, 404, "no such path"),
+    ("POST", "/v2/lookup", b"{}", {}, 405, "read with GET"),
     ("POST", "/v1/lookup", b"{", {}, 400, "not valid JSON"),
     ("POST", "/v1/lookup", b'{"tokens": [NaN]}', {}, 400, "not valid JSON"),
     ("POST", "/v1/lookup", b"[" * 100_000, {}, 400, "not valid JSON"),
@@ -276,10 +279,10 @@ def test_bad_requests_get_a_4xx_naming_the_problem(service, tmp_path):
 
     conn = http.client.HTTPConnection(port.host, port.port, timeout=10)  # a body too large, declared
     conn.putrequest("POST", "/v1/lookup")
-    conn.putheader("Content-Length", str(9 << 20))
+    conn.putheader("Content-Length", str(2 << 20))
     conn.endheaders()
     resp = conn.getresponse()
-    assert resp.status == 413 and "at most 8388608" in json.loads(resp.read())["error"]
+    assert resp.status == 413 and "at most 1048576" in json.loads(resp.read())["error"]
     conn.close()
     conn = http.client.HTTPConnection(port.host, port.port, timeout=10)  # no length at all
     conn.putrequest("POST", "/v1/lookup")
@@ -302,6 +305,41 @@ def test_metrics_are_served_on_the_same_port(service):
     conn.close()
     assert time.monotonic() < deadline
     assert 'kvtier_hits_total{tier="host"} 2.0' in body and "kvtier_op_seconds_bucket" in body
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn.request("GET", "/")  # (a scraper configured for the old server's any path)
+    assert 'kvtier_hits_total{tier="host"}' in conn.getresponse().read().decode()
+    conn.close()
+
+
+def test_the_lookup_is_off_unless_the_config_turns_it_on(tmp_path):
+    raw = {"socket": str(tmp_path / "kv.sock"), "metrics_port": 0,
+           "host": {"capacity_bytes": 4 * LAYOUT.chunk_bytes, "extent_bytes": LAYOUT.chunk_bytes}}
+    svc = StoreService(daemon_config(raw)).start()
+    try:
+        status, answer = Port(svc.metrics_address).call("POST", "/v1/lookup", {"tokens": [1, 2]})
+        assert status == 404 and "http_lookup = true" in answer["error"]
+    finally:
+        svc.stop()
+    with pytest.raises(ConfigError, match="needs metrics_port"):
+        daemon_config({k: v for k, v in raw.items() if k != "metrics_port"} | {"http_lookup": True})
+
+
+def test_a_model_revision_never_leaves_its_repo_in_the_hub_cache(tmp_path, monkeypatch):
+    from kvtier.model_id import resolve_model_dir
+
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
+    (tmp_path / "pointer").write_text("/etc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_dir("org/m")[0] == repo / "snapshots" / ("a" * 40)
+    for bad in ("org/m@../../../pointer", "org/m@/etc/passwd", "org/m@x\0y"):
+        with pytest.raises(ValueError, match="neither a directory"):
+            resolve_model_dir(bad)
+    (repo / "refs" / "big").write_text("b" * (1 << 20))  # not a commit: refused, never read whole
+    with pytest.raises(ValueError, match="neither a directory"):
+        resolve_model_dir("org/m@big")
 
 
 

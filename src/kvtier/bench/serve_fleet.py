@@ -203,19 +203,25 @@ def _fleet(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload,
                 socket = str(Path(sockets.name) / f"kvtier{i}.sock")  # short: a socket path has ~100 bytes
                 toml = _store_toml(run / "store.toml", socket, dram, run / "ssd", ssd, config.policy,
                                    valkey.address, ssd)
-                daemons.append(FleetDaemon(run, socket, toml).start())
+                daemon = FleetDaemon(run, socket, toml)
+                daemons.append(daemon)  # (before it starts: one interrupted mid-start is stopped too)
+                daemon.start()
                 vllm = replace(vllm, connector=kv_transfer_config(socket, config.chunk_tokens, config.load_async))
-            stacks.append(ServeStack(StackConfig(vllm=vllm, store=None, workdir=str(run),
-                                                 grace_s=base.grace_s)).start())
+            stack = ServeStack(StackConfig(vllm=vllm, store=None, workdir=str(run), grace_s=base.grace_s))
+            stacks.append(stack)
+            stack.start()
         yield stacks, daemons
     finally:
-        for stack in reversed(stacks):
-            stack.stop()
-        for daemon in reversed(daemons):
-            daemon.stop()
-        if valkey is not None:
-            valkey.stop()
-        sockets.cleanup()
+        # each stopped on its own: one that fails to stop (or a second Ctrl-C in one) leaves
+        # none of the others running
+        with contextlib.ExitStack() as stop:
+            stop.callback(sockets.cleanup)
+            if valkey is not None:
+                stop.callback(valkey.stop)
+            for daemon in daemons:
+                stop.callback(daemon.stop)
+            for stack in stacks:
+                stop.callback(stack.stop)
 
 
 def run_fleet(name: str, repeat: int, config: ServeBenchConfig, model_dir: Path, work: Workload,

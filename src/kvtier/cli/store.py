@@ -71,7 +71,13 @@ def store_serve(config_path: str | None, socket_path: str | None, host_bytes: in
         raise click.UsageError("an SSD tier needs --disk-path and --disk-bytes (or path and capacity_bytes "
                                "in the config's [disk] section)")
     try:
-        service = StoreService(daemon_config(raw))
+        config = daemon_config(raw)
+        render = None
+        if config.http_lookup:  # (transformers is imported only for a daemon that renders chats)
+            from kvtier.engines.chat_render import ChatRenderer
+
+            render = ChatRenderer()
+        service = StoreService(config, render_chat=render)
     except (ValueError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -62,7 +62,7 @@ from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 
 _TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "bool",
-        "metrics_port": "int", "host": "table", "disk": "table", "remote": "table", "access": "table"}
+        "metrics_port": "int", "http_lookup": "bool", "host": "table", "disk": "table", "remote": "table", "access": "table"}
 _HOST = {"capacity_bytes": "bytes", "extent_bytes": "bytes", "pin_memory": "bool"}
 _DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": "bool",
          "mode": "mode", "group": "group", "codec": "str", "max_kl": "float"}
@@ -233,8 +233,11 @@ def daemon_config(raw: Mapping[str, object]) -> DaemonConfig:
         socket_path = str(top.get("socket") or default_socket_path())
         ensure_socket_dir(socket_path)
         port = top.get("metrics_port")
+        lookup = bool(top.get("http_lookup", False))
+        if lookup and port is None:
+            raise ConfigError("http_lookup = true needs metrics_port (the lookup is served on that port)")
         return DaemonConfig(socket_path=socket_path, cache=cache, tenant=str(top.get("tenant", "")),
-                            metrics_port=port, access=access)  # type: ignore[arg-type]
+                            metrics_port=port, http_lookup=lookup, access=access)  # type: ignore[arg-type]
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:

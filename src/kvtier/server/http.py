@@ -34,31 +34,34 @@ by ``model_id`` or ``model``; exactly one must be left.
 A lookup changes nothing: no policy touch, no hit or lookup counted, no lease, no promotion;
 it reads the chunk index (:meth:`StoreDaemon.held`) without the daemon's lock.
 
-Threat model. The port binds loopback and has no authentication: every local user can reach
-it, while the daemon's socket is its owner's (and a group's). So it tells nobody more than the
-config already shares with every uid. A lookup reads only tenants every uid may use: the
-daemon's default tenant when no ``[access.tenants]`` is configured, else the tenants it grants
-``"*"``; any other is refused with 403, and ``/v1/namespaces`` and ``"auto"`` never show
-namespaces of other tenants. What is left: anyone local can learn whether a prefix they can
-guess is held in a readable tenant (the probe every prefix cache allows); traffic that must
-stay private needs a tenant of its own. ``/v1/`` answers only requests whose ``Host`` is a
-loopback name, so a web page in a local browser cannot read it by rebinding a DNS name onto
-127.0.0.1. An anonymous request's cost is bounded: 8 MiB of body, 1M tokens, 32 requests at
-once, 10 s per read. ``messages`` makes the daemon load a tokenizer (local files only, never
-code: ``trust_remote_code`` is off; 4 kept) and render its chat template, one chat at a time;
-a model directory that users other than the daemon's and root may write (or whose files they
-may) is refused with 403, since its template would run in the daemon.
+Threat model. The lookup is off unless the config says ``http_lookup = true`` (``/metrics``
+is served either way, on any path but ``/v1/``). The port binds loopback and has no
+authentication: every local user can reach it, while the daemon's socket may be its owner's
+alone. Turning the lookup on therefore tells every local user whether a prefix they can guess
+is held in a readable tenant -- the daemon's default tenant when no ``[access.tenants]`` is
+configured, else only the tenants it grants ``"*"`` -- which the socket's permissions may not
+otherwise allow: keep traffic that must stay private in a tenant of its own. Other tenants are
+refused with 403, and ``/v1/namespaces`` and ``"auto"`` never show their namespaces. ``/v1/``
+answers only requests whose ``Host`` is a loopback name, so a web page in a local browser
+cannot read it by rebinding a DNS name onto 127.0.0.1. An anonymous request's cost is bounded:
+1 MiB of body, 128K tokens, 32 connections at once (one more is answered 503), 10 s per read
+and 15 s per connection. ``messages`` makes the daemon load a tokenizer (local files only,
+never code: ``trust_remote_code`` is off; 4 kept; one load or chat at a time) and render its
+chat template (transformers' sandboxed Jinja); a model directory that users other than the
+daemon's and root may write (or whose files they may) is refused with 403, since its template
+would run in the daemon; a model name's revision never leaves its repo in the cache, and an
+unknown model's answer names no path.
 """
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import json
 import logging
 import math
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
@@ -79,11 +82,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
-MAX_TOKENS = 1 << 20
+RenderChat = Callable[[str, list[dict[str, str]]], list[int]]
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS = 1 << 17
 MAX_CONCURRENT = 32
-"""Requests served at once; a connection beyond them is closed unanswered."""
+"""Connections served at once; one beyond them is answered 503 at once."""
 READ_TIMEOUT_S = 10.0
+REQUEST_DEADLINE_S = 15.0
+"""A connection is cut this long after it was accepted (one that trickles bytes included)."""
 TOKEN_LIMIT = 1 << 31
 _FIELDS = {"tokens", "messages", "model", "namespace", "model_id", "cache_salt", "block_tokens", "compute"}
 _NS_FIELDS = {"model", "layout", "page_format", "tenant", "chunk_tokens"}
@@ -132,22 +139,30 @@ class StoreHTTP:
     """The WSGI app of the daemon's HTTP port. ``daemon()`` returns the daemon (None while it is
     not made yet)."""
 
-    def __init__(self, daemon: Callable[[], StoreDaemon | None], registry: CollectorRegistry) -> None:
+    def __init__(self, daemon: Callable[[], StoreDaemon | None], registry: CollectorRegistry,
+                 lookup: bool = True, render_chat: RenderChat | None = None) -> None:
         self._daemon = daemon
+        self.lookup_enabled = lookup
+        self._render_chat = render_chat
+        """(model directory, messages) -> token ids (:class:`kvtier.engines.chat_render.ChatRenderer`,
+        given by the CLI: the server imports no engine); None: ``messages`` are refused. It
+        raises LookupError for a model it cannot render with, ValueError for bad messages."""
         self._metrics = make_wsgi_app(registry)
         self._routes = {"/v1/lookup": ("POST", self.lookup), "/v1/namespaces": ("GET", self.namespaces)}
-        self._tokenizers = functools.lru_cache(maxsize=4)(self._tokenizer)
         self._rendering = threading.Lock()
 
     def __call__(self, environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
         path, method = str(environ.get("PATH_INFO", "")), str(environ.get("REQUEST_METHOD", ""))
-        if path == "/metrics" and method in ("GET", "HEAD"):
-            return self._metrics(environ, start_response)  # type: ignore[no-any-return]
+        if not path.startswith("/v1/") and method in ("GET", "HEAD"):
+            return self._metrics(environ, start_response)  # type: ignore[no-any-return] # (any path, as before)
         headers: list[tuple[str, str]] = []
         try:
-            allowed, handler = self._routes.get(path, ("GET", None) if path == "/metrics" else (None, None))
-            _check(allowed is not None, f"no such path {path[:100]!r}: the daemon serves /metrics, "
-                                        "/v1/namespaces and /v1/lookup", 404)
+            _check(self.lookup_enabled, "the lookup is off: set http_lookup = true in the daemon's config "
+                                        "(every local user may then ask about the readable tenants' prefixes)", 404)
+            allowed, handler = self._routes.get(path, (None, None))
+            _check(allowed is not None or not path.startswith("/v1/"),
+                   f"no such path {path[:100]!r}: the daemon serves /v1/namespaces and /v1/lookup", 404)
+            _check(allowed is not None, "metrics are read with GET", 405)
             if method != allowed:
                 headers.append(("Allow", str(allowed)))
                 raise HTTPError(405, f"{path} takes {allowed}, not {method[:20]}")
@@ -255,36 +270,29 @@ class StoreHTTP:
     def _resolve(model: str) -> tuple[str, str]:
         try:
             path, name = resolve_model_dir(model)
-        except (ValueError, OSError) as exc:
-            raise HTTPError(404, f"unknown model {model[:200]!r}: {exc}") from None
+        except (ValueError, OSError):  # (no path in the answer: the daemon's files are its own)
+            raise HTTPError(404, f"unknown model {model[:200]!r}: not a model directory nor in the "
+                                 "daemon's Hugging Face cache") from None
         return str(path.resolve()), name
 
     def _render(self, messages: list[dict[str, str]], model: str, resolved: tuple[str, str] | None) -> list[int]:
         _check(resolved is not None, "messages need model (whose chat template renders them)")
+        _check(self._render_chat is not None, "this daemon renders no chats (started without a renderer): "
+                                              "send tokens instead")
         path = resolved[0]  # type: ignore[index]
-        _check(_trusted(path), f"model {model!r}: {path} or a file in it may be written by users other than "
-                               "the daemon's and root, and its chat template would run in the daemon", 403)
-        tokenizer = self._tokenizers(path)
-        _check(bool(getattr(tokenizer, "chat_template", None)), f"model {model!r}'s tokenizer has no chat "
-                                                                "template: send tokens instead")
-        from kvtier.engines.hf import chat_prompt_ids
-
-        try:
-            with self._rendering:  # one chat at a time: it holds the GIL the daemon's threads need
-                ids = chat_prompt_ids(tokenizer, messages, add_generation_prompt=True)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd input
-            raise HTTPError(400, f"model {model!r}'s chat template refused the messages: {exc}") from None
+        _check(_trusted(path), f"model {model!r}: its directory or a file in it may be written by users other "
+                               "than the daemon's and root, and its chat template would run in the daemon", 403)
+        with self._rendering:  # one chat (and one tokenizer load) at a time: they hold the GIL
+            try:
+                ids = self._render_chat(path, messages)  # type: ignore[misc]
+            except LookupError as exc:  # (no tokenizer, no template: the renderer says which)
+                raise HTTPError(404, f"model {model!r}: {exc}") from None
+            except ValueError as exc:
+                raise HTTPError(400, f"model {model!r}: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - a template may raise anything on odd input
+                raise HTTPError(400, f"model {model!r}'s chat template refused the messages: {exc}") from None
         _check(len(ids) <= MAX_TOKENS, f"the messages render to {len(ids)} tokens; at most {MAX_TOKENS}", 413)
         return [int(t) for t in ids]
-
-    @staticmethod
-    def _tokenizer(path: str) -> object:
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # noqa: BLE001 - missing or damaged files, an unknown class
-            raise HTTPError(404, f"cannot load a tokenizer from {path}: {exc}") from None
 
 
 def _trusted(path: str) -> bool:
@@ -374,6 +382,24 @@ def _compute(req: dict[str, object]) -> tuple[ComputeModel, list[str]]:
 class _Handler(WSGIRequestHandler):
     timeout = READ_TIMEOUT_S  # a client that stalls mid-request loses its connection
 
+    def setup(self) -> None:
+        super().setup()
+        # a client that trickles a byte every few seconds never hits the read timeout: the
+        # whole connection has a deadline
+        self._cut = threading.Timer(REQUEST_DEADLINE_S, self._shutdown)
+        self._cut.daemon = True
+        self._cut.start()
+
+    def _shutdown(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def finish(self) -> None:
+        self._cut.cancel()
+        super().finish()
+
     def log_message(self, format: str, *args: object) -> None:
         """A router polling every few milliseconds must not fill the daemon's log."""
 
@@ -387,6 +413,12 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
         if not self._slots.acquire(blocking=False):
+            try:  # busy: said at once (a scraper sees why), never queued
+                request.settimeout(0.5)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
             self.shutdown_request(request)
             return
         try:

@@ -9,21 +9,22 @@ is made, a lookup on it is answered 503.
 from __future__ import annotations
 
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
-from kvtier.server.http import HTTPPort, StoreHTTP
+from kvtier.server.http import HTTPPort, RenderChat, StoreHTTP
 from kvtier.server.metrics import Metrics
 
 
 class StoreService:
     """A :class:`StoreDaemon` and its HTTP port (when ``metrics_port`` is set)."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, render_chat: RenderChat | None = None) -> None:
         self.daemon: StoreDaemon | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.metrics: Metrics | None = None
         self._http: HTTPPort | None = None
         if config.metrics_port is not None:
             self.metrics = Metrics(lambda: self.daemon.snapshot())  # type: ignore[union-attr]
-            app = StoreHTTP(lambda: self.daemon, self.metrics.registry)
+            app = StoreHTTP(lambda: self.daemon, self.metrics.registry, lookup=config.http_lookup,
+                            render_chat=render_chat)
             self._http = HTTPPort(app, "127.0.0.1", config.metrics_port)
             self.metrics_address = self._http.address
         try:

@@ -83,6 +83,9 @@ class DaemonConfig:
     """The tenant of clients that name none."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port; None: off)."""
+    http_lookup: bool = False
+    """Also answer ``POST /v1/lookup`` and ``GET /v1/namespaces`` on that port (every local
+    user may then ask which prefixes the readable tenants hold: :mod:`kvtier.server.http`)."""
     access: AccessConfig = field(default_factory=AccessConfig)
 
     def __post_init__(self) -> None:
