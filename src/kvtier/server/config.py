@@ -5,7 +5,8 @@
     policy = "lru"
     tenant = ""                          # the tenant of clients that name none
     write_through = false
-    metrics_port = 9400
+    metrics_port = 9400                  # Prometheus on 127.0.0.1 (any path but /v1/)
+    http_lookup = false                  # true: POST /v1/lookup on that port (kvtier.server.http)
     [host]
     capacity_bytes = "16GiB"             # sizes: an integer, or "16GiB", "500GB", "1.5T"
     extent_bytes = "256MiB"              # optional: DRAM moves between chunk sizes in these
