@@ -102,10 +102,7 @@ class RemoteLevel:
                 for key in rest[got:]:  # gone (another instance evicted it), or unreachable past it
                     if self.index.holds(key, level) and self.index.fastest(key) == level:
                         self.unlist(key)
-                self._absent[gone] = now + self.miss_s
-                self._absent.move_to_end(gone)
-                while len(self._absent) > MAX_ABSENT:
-                    self._absent.popitem(last=False)
+                self._mark_absent(gone, now)
             self._trim()
 
     def probe_each(self, keys: Sequence[ChunkKey], tenant: str = "") -> None:
@@ -134,11 +131,16 @@ class RemoteLevel:
                     self._seen_now(key, tenant, now)
                     self._absent.pop(key, None)
                 else:  # (not unlisted: a tier that cannot be reached answers "absent" too)
-                    self._absent[key] = now + self.miss_s
-                    self._absent.move_to_end(key)
-            while len(self._absent) > MAX_ABSENT:
-                self._absent.popitem(last=False)
+                    self._mark_absent(key, now)
             self._trim()
+
+    def _mark_absent(self, key: ChunkKey, now: float) -> None:
+        """Not asked for again for ``miss_s`` (the oldest past :data:`MAX_ABSENT` forgotten).
+        Under the lock."""
+        self._absent[key] = now + self.miss_s
+        self._absent.move_to_end(key)
+        while len(self._absent) > MAX_ABSENT:
+            self._absent.popitem(last=False)
 
     def _trim(self) -> None:
         """Forget the oldest remote chunks past :data:`MAX_REMOTE_KEYS` (hints only: they are

@@ -86,12 +86,16 @@ def test_events_follow_the_daemon_dram_to_ssd(daemon):
     client.close()
 
 
-def test_a_chunk_is_announced_only_with_every_chunk_before_it(daemon):
+def two_saved_chunks(daemon):
+    """A client that saved two chunks of ``tokens``, their keys, and events over its probes."""
     client = daemon.client()
     tokens = list(range(2 * C))
     client.save(tokens, make_kv(LAYOUT, 2 * C, seed=3))
-    keys = client.keys_for(tokens)
-    events = KVEvents(_probe_or_raise(client))
+    return client, tokens, client.keys_for(tokens), KVEvents(_probe_or_raise(client))
+
+
+def test_a_chunk_is_announced_only_with_every_chunk_before_it(daemon):
+    client, tokens, keys, events = two_saved_chunks(daemon)
     events.remember(keys[1], blocks(tokens, 2, 2, after=keys[0]))  # held, but chunk 0 is not followed
     events.poll()
     assert events.take() == []  # kvtier loads runs from the first chunk: not loadable as far as known
@@ -122,11 +126,7 @@ def test_a_block_two_chunks_cover_is_removed_with_the_last_of_them(daemon):
 
 
 def test_an_unreachable_daemon_holds_nothing_after_two_polls_and_a_restart_is_announced_again(daemon):
-    client = daemon.client()
-    tokens = list(range(2 * C))
-    client.save(tokens, make_kv(LAYOUT, 2 * C, seed=3))
-    keys = client.keys_for(tokens)
-    events = KVEvents(_probe_or_raise(client))
+    client, tokens, keys, events = two_saved_chunks(daemon)
     follow(events, keys, tokens)
     events.poll()
     view = apply({}, events.take())

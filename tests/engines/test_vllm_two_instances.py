@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,10 +47,10 @@ from tests.remote_servers import unique_prefix
 
 from ..daemon_process import KVTIER, DaemonProcess, wait_for_socket
 from .test_vllm_connector import BLOCK, CHUNK, prompt
+from .test_vllm_serve import SERVE, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 MAX_TOKENS = 16
 NEW_TOKENS = 40
 """Tokens each later turn adds after the last reply (the user's next message)."""
@@ -154,15 +153,7 @@ class Server:
                                     timeout=120)
 
     def wait_ready(self, deadline: float) -> None:
-        while True:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
-                    return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(0.5)
+        wait_healthy(self.proc, self.port, self.log_path, deadline, poll_s=0.5)
 
     def complete(self, tokens: list[int], **extra: object) -> Reply:
         """Greedy, ``MAX_TOKENS`` long; ``extra`` goes in the request body (``cache_salt``,

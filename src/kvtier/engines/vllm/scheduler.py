@@ -54,6 +54,7 @@ from kvtier.core.request_extras import request_head, tagged
 from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.events import KVEvents, request_blocks
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
+from kvtier.engines.vllm.stats import HIT_PREFIX
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
@@ -645,8 +646,6 @@ class SchedulerSide:
 
     def counters(self) -> tuple[dict[str, float], dict[str, float]]:
         """(cumulative counts, gauges) for vLLM's metrics (:mod:`.stats`)."""
-        from kvtier.engines.vllm.stats import HIT_PREFIX
-
         counts: dict[str, float] = {"lookups": self.lookups_sent, "lookup_timeouts": self.lookups_missed,
                                     "load_failures": self.load_failures, "preemptions": self.preemptions,
                                     "hints_dropped": self.hints_dropped}
