@@ -8,7 +8,7 @@ from kvtier.core.objects import ObjectKind, content_hash, object_key, part_keys
 from kvtier.typed import TypedObjects
 
 from .conftest import make_kv
-from .test_store import C, store_of
+from .store.test_facade import C, store_of
 
 
 def blob(n: int, seed: int = 0) -> torch.Tensor:

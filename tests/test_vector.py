@@ -8,7 +8,7 @@ from kvtier.typed import TypedObjects
 from kvtier.vector import VectorIndexes
 
 from .conftest import make_kv
-from .test_store import C, store_of
+from .store.test_facade import C, store_of
 
 
 def make_index(seed: int = 0) -> faiss.Index:

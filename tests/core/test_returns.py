@@ -319,7 +319,7 @@ class Clock:
 
 def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_back(
         layout, tmp_path, monkeypatch):
-    import kvtier.cache as cache_module
+    import kvtier.store.cache as cache_module
 
     clock = Clock()
     monkeypatch.setattr(cache_module, "time", clock)  # the requests' start times, as begin sees them
@@ -349,7 +349,7 @@ def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_
 @pytest.mark.parametrize("reply_saved_after_finished", [False, True], ids=["in-process", "vLLM order"])
 def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_was_done(
         layout, tmp_path, monkeypatch, reply_saved_after_finished):
-    import kvtier.cache as cache_module
+    import kvtier.store.cache as cache_module
 
     clock = Clock()
     monkeypatch.setattr(cache_module, "time", clock)

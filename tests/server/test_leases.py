@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.cache import CacheConfig
 from kvtier.server.client import StoreClient
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
+from kvtier.store.cache import CacheConfig
 from kvtier.tiers.host import HostTierConfig
 
 from ..conftest import make_kv
@@ -176,7 +176,7 @@ def test_two_clients_saving_the_same_prefix_at_once_both_succeed(tmp_path):
         assert lb.views[0] is None and lb.views[1] is None and not any(lb.held[:2])  # busy: skip
         assert lb.views[2] is not None
         kv = make_kv(LAYOUT, 3 * C, seed=4)
-        from kvtier.transfer import check_kv, pack_chunk
+        from kvtier.store.packing import check_kv, pack_chunk
 
         layers, _ = check_kv(kv, LAYOUT)
         for i, v in enumerate(la.views):
@@ -263,8 +263,8 @@ def test_a_reserve_whose_reply_never_came_is_forgotten_on_the_next_connection(tm
 
 
 def test_a_forget_that_arrives_before_the_old_connection_ends_still_frees_the_slots(tmp_path):
-    from kvtier.cache import CacheConfig
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
+    from kvtier.store.cache import CacheConfig
     from kvtier.tiers.host import HostTierConfig
 
     d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
@@ -292,8 +292,8 @@ def test_a_forget_that_arrives_before_the_old_connection_ends_still_frees_the_sl
 
 
 def test_a_flush_longer_than_the_timeout_keeps_the_connection_and_its_leases(tmp_path):
-    from kvtier.cache import CacheConfig
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
+    from kvtier.store.cache import CacheConfig
     from kvtier.tiers.host import HostTierConfig
 
     d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(

@@ -344,9 +344,9 @@ def test_a_model_revision_never_leaves_its_repo_in_the_hub_cache(tmp_path, monke
 
 
 def test_only_tenants_every_uid_may_use_are_read_on_the_http_port(tmp_path):
-    from kvtier.cache import CacheConfig
     from kvtier.server.http import unreadable
     from kvtier.server.settings import AccessConfig, DaemonConfig
+    from kvtier.store.cache import CacheConfig
     from kvtier.tiers.host import HostTierConfig
 
     def config(**kw: object) -> DaemonConfig:

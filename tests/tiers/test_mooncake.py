@@ -148,7 +148,7 @@ def _promotion_with_the_holder_stalled(servers):
     """A Mooncake tier (0.5 s timeout) holding chunks 1 and 2 below a DRAM tier, a mover between
     them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
     from kvtier.core.placement import Shape
-    from kvtier.moves import TierMover
+    from kvtier.store.moves import TierMover
     from kvtier.tiers.host import HostTier, HostTierConfig
 
     servers.start()
@@ -250,8 +250,8 @@ def test_master_killed_mid_run_then_restarted(mooncake_private):
 def test_an_outage_does_not_make_the_uploader_drop_chunks_it_listed(mooncake_private):
     """A put refused because the master is down is not a full tier: the uploader evicts
     nothing, and a remove that cannot reach the master leaves the chunk listed."""
+    from kvtier.store.uploader import Uploader
     from kvtier.tiers.base import TierUnavailableError
-    from kvtier.uploader import Uploader
 
     mooncake_private.start()
     tier = open_tier(mooncake_private.master_address, timeout_s=0.5, reconnect_interval_s=0.2)

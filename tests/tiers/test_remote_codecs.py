@@ -285,8 +285,8 @@ def test_a_valkey_cluster_stores_and_reads_coded_chunks(valkey_cluster):
 
 
 def test_the_uploader_and_the_tenant_tiers_pass_formats_down(valkey_backend):
+    from kvtier.store.uploader import Uploader
     from kvtier.tiers.tenants import TenantTiers, tenant_prefix
-    from kvtier.uploader import Uploader
 
     prefix = unique_prefix()
     tiers = TenantTiers(lambda t: valkey_backend.open("int8", tenant_prefix(prefix, t)), lambda k: "acme")

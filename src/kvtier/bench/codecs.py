@@ -8,7 +8,7 @@ text is the ``score_tokens`` tokens that follow (the conversation's real continu
 The exact KV of the longest history comes from one forward pass (transformers, float32, eager
 attention, a ``DynamicCache``); a shorter history's KV is its prefix (attention is causal). Each
 codec then takes every whole chunk of the history the way the SSD tier stores it: the chunk's
-layer-major bytes (:func:`kvtier.transfer.pack_chunk`) through :func:`kvtier.tiers.coded.encode_entry`
+layer-major bytes (:func:`kvtier.store.packing.pack_chunk`) through :func:`kvtier.tiers.coded.encode_entry`
 (one frame per layer, keys per channel, values per token) and back through
 :func:`~kvtier.tiers.coded.decode_range`. A tail shorter than a chunk stays exact, as the store
 leaves it to be recomputed. ``none`` goes through the same bytes unencoded, so its row checks the
@@ -48,10 +48,10 @@ from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.demo import resolve_model
 from kvtier.engines.hf import chat_prompt_ids, kv_layout_for
+from kvtier.store.packing import chunk_view, pack_chunk
 from kvtier.tiers.codecs import CODECS, KVFormat, check_codec
 from kvtier.tiers.coded import decode_range, encode_entry
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
-from kvtier.transfer import chunk_view, pack_chunk
 
 __all__ = ["CodecBenchConfig", "CodecBenchResult", "CodecRow", "run_codec_bench", "target_checks"]
 

@@ -6,7 +6,7 @@ evicted, demoted, promoted and dropped. Each decision is a plain :class:`Move` (
 source tier, a destination tier) handed to a :class:`Mover`, which carries it out and reports
 the outcome (:class:`Copied`); the placement records it. The live store's mover hands each move
 to the transfer handler registered for its pair of tiers and releases the store's lock while the
-bytes move (:mod:`kvtier.moves`); ``kvtier replay``'s mover only counts chunks against
+bytes move (:mod:`kvtier.store.moves`); ``kvtier replay``'s mover only counts chunks against
 capacities. The same object, the same policies, the same rules:
 
 - ``lookup``: the longest held prefix; touches its keys (every tier's policy is touched, even for

@@ -56,10 +56,10 @@ from kvtier.engines.truncation import (
 )
 from kvtier.model_id import model_fingerprint
 from kvtier.store import KVStore, StoreConfig
-from kvtier.store_types import KVCacheAPI
+from kvtier.store.config import KVCacheAPI
+from kvtier.store.packing import TORCH_DTYPES
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
-from kvtier.transfer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import time
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.store_types import KVCacheAPI, LookupResult
-from kvtier.transfer import torch_dtype
+from kvtier.store.config import KVCacheAPI, LookupResult
+from kvtier.store.packing import torch_dtype
 
 
 class LoadFailed(KVTierError, RuntimeError):

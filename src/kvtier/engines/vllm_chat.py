@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvtier.cache import CacheConfig
 from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store import StoreConfig
+from kvtier.store.cache import CacheConfig
 from kvtier.tiers.base import round_up
 
 BLOCK = 32

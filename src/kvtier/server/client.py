@@ -45,8 +45,8 @@ from kvtier.errors import DaemonUnavailable, LeaseLost
 from kvtier.server import protocol
 from kvtier.server.connection import Connection, Link
 from kvtier.server.runtime import default_socket_path
-from kvtier.store_types import LoadResult, LookupResult, SaveResult
-from kvtier.transfer import LayerKV, check_kv, pack_chunk, unpack_layer
+from kvtier.store.config import LoadResult, LookupResult, SaveResult
+from kvtier.store.packing import LayerKV, check_kv, pack_chunk, unpack_layer
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ class StoreClient:
                tenant: str | None = None, prefetch: bool = True) -> int:
         """A request waits to be served: the daemon's policies hear of it and, unless not
         ``prefetch``, its held chunks are prefetched into DRAM
-        (:meth:`kvtier.cache.ChunkCache.queued`). 0 if unavailable."""
+        (:meth:`kvtier.store.cache.ChunkCache.queued`). 0 if unavailable."""
         try:
             _, reply = self._link.call("queued", self._wait_timeout(wait), request_id=request_id,
                                        keys=list(keys), wait=wait, tenant=tenant, prefetch=prefetch)

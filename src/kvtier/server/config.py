@@ -53,12 +53,12 @@ import math
 import tomllib
 from collections.abc import Mapping
 
-from kvtier.cache import CacheConfig
 from kvtier.core.sizes import parse_size
 from kvtier.errors import ConfigError
 from kvtier.server.runtime import default_socket_path, ensure_socket_dir
 from kvtier.server.settings import AccessConfig, DaemonConfig
-from kvtier.store_types import RemoteConfig
+from kvtier.store.cache import CacheConfig
+from kvtier.store.config import RemoteConfig
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 

@@ -3,7 +3,7 @@
 The daemon owns the chunk index, the policy, the DRAM tier (an arena in POSIX shared memory that
 clients map), the SSD tier and the remote tier. Clients connect over a Unix socket for control
 and move chunk bytes themselves, in place, in the shared arena. The cache's lock is held for
-bookkeeping only (:mod:`kvtier.cache`).
+bookkeeping only (:mod:`kvtier.store.cache`).
 
 Connections (:mod:`kvtier.server.connections`): a connection that is talking is served on a
 thread of its own, one request after the other, as long as requests keep coming; one idle for
@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from kvtier.cache import ChunkCache
 from kvtier.core.keys import ROOT_KEY, ChunkKey, Namespace, bind_keys, chunk_tokens_of, tail_key
 from kvtier.server import protocol
 from kvtier.server.connections import Connections
@@ -58,6 +57,7 @@ from kvtier.server.settings import (  # noqa: F401 - AccessConfig: re-exported w
     ClientNamespace,
     DaemonConfig,
 )
+from kvtier.store.cache import ChunkCache
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class _Session:
 
 
 class StoreDaemon:
-    """Serves one :class:`~kvtier.cache.ChunkCache` over a Unix socket. ``start()`` runs it in a
+    """Serves one :class:`~kvtier.store.cache.ChunkCache` over a Unix socket. ``start()`` runs it in a
     thread; ``serve_forever`` in the caller's. ``observe(op, seconds)`` is called after every
     operation (the metrics' latency histogram)."""
 

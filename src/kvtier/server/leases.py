@@ -44,10 +44,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.cache import ChunkCache
 from kvtier.core.keys import ChunkKey
 from kvtier.errors import KVTierError
 from kvtier.server.runtime import ProcessWatch
+from kvtier.store.cache import ChunkCache
 from kvtier.tiers.base import Reservation
 
 log = logging.getLogger(__name__)

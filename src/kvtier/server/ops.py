@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtier.cache import Slot
 from kvtier.core.placement import Shape
 from kvtier.errors import TierFullError
 from kvtier.server import protocol
 from kvtier.server.leases import Lease
 from kvtier.server.protocol import BadRequest
 from kvtier.server.settings import ClientNamespace, parse_namespace
+from kvtier.store.cache import Slot
 from kvtier.tiers.base import Reservation
 
 if TYPE_CHECKING:

@@ -7,12 +7,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from kvtier.cache import CacheConfig
 from kvtier.core.keys import Namespace
 from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Shape
 from kvtier.server import protocol
 from kvtier.server.protocol import BadRequest
+from kvtier.store.cache import CacheConfig
 from kvtier.tiers.codecs import KVFormat
 
 ANY_UID = "*"

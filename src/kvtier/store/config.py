@@ -1,4 +1,4 @@
-"""The store's configuration and result types (kept apart from :mod:`kvtier.store`'s logic).
+"""The store's configuration and result types (kept apart from :mod:`kvtier.store.facade`'s logic).
 
 ``StoreConfig`` is the store's whole configuration; ``RemoteConfig`` adds the shared tier below
 SSD. Lookups, loads and saves return the frozen result types below.
@@ -16,10 +16,10 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.placement import Shape
 from kvtier.core.policy import LIVE_POLICIES, POLICIES
+from kvtier.store.packing import LayerKV
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
-from kvtier.transfer import LayerKV
 
 NOMINAL_CHUNK_BYTES = 16 << 20
 """What the policies assume a chunk weighs when the store serves any model."""
@@ -169,7 +169,7 @@ class StoreConfig:
     remote: RemoteConfig | None = None
 
     def cache_config(self) -> CacheConfig:
-        """The configuration of the store's :class:`~kvtier.cache.ChunkCache`."""
+        """The configuration of the store's :class:`~kvtier.store.cache.ChunkCache`."""
         return CacheConfig(host=self.host, disk=self.disk, remote=self.remote, policy=self.policy,
                            write_through=self.write_through,
                            chunk=Shape(self.layout.chunk_bytes, self.layout.layer_bytes),

@@ -14,7 +14,7 @@ import torch
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.tiers.disk import header_len_for
 
-from .conftest import make_kv
+from ..conftest import make_kv
 
 C = 16  # chunk tokens in the `layout` fixture
 

@@ -1,6 +1,6 @@
 """Request numbers: one use per request, however its calls interleave."""
 
-from kvtier.requests import Requests
+from kvtier.store.request_numbers import Requests
 
 
 def test_a_request_keeps_its_number_from_arrival_to_after_it_finished():

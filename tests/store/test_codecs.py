@@ -9,7 +9,7 @@ from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.tiers.codecs import KVFormat, error_bound
 
-from .conftest import make_kv
+from ..conftest import make_kv
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", chunk_tokens=64)
 C = LAYOUT.chunk_tokens

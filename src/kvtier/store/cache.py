@@ -8,8 +8,8 @@ knows no layout: an entry is bytes in parts of ``segment_bytes`` (a layer of a c
 Locking: one lock, held for bookkeeping only -- the index, the policies, the tiers' slot and
 space accounting, pins. Every byte copy, file read or write and network round trip happens with
 the lock released: a :class:`~kvtier.core.placement.Placement` decision is carried out by the
-:class:`~kvtier.moves.TierMover` on the transfer handler of its pair of tiers while other
-threads go on (see :mod:`kvtier.moves` for the entry states that keep that safe), and the
+:class:`~kvtier.store.moves.TierMover` on the transfer handler of its pair of tiers while other
+threads go on (see :mod:`kvtier.store.moves` for the entry states that keep that safe), and the
 remote tier is probed outside it. Any number of threads may call any method.
 
 Entry lifecycle, as a caller sees it:
@@ -42,10 +42,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.placement import Placement, Shape
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import make_policy
-from kvtier.moves import TierMover
-from kvtier.remote_level import RemoteLevel, make_remote
-from kvtier.requests import Requests
-from kvtier.store_types import (
+from kvtier.store.config import (
     NOMINAL_CHUNK_BYTES,
     NOMINAL_READ_BPS,
     CacheConfig,
@@ -54,11 +51,14 @@ from kvtier.store_types import (
     Slot,
     StoreStats,
 )
+from kvtier.store.moves import TierMover
+from kvtier.store.remote_level import RemoteLevel, make_remote
+from kvtier.store.request_numbers import Requests
+from kvtier.store.uploader import Uploader
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
-from kvtier.uploader import Uploader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,7 +18,7 @@ Entry states while the lock is released, and what protects them:
 - *being evicted*: a victim is marked leaving by the placement, skipped by other evictions, and
   dropped after its demotion only if nobody pinned it meanwhile.
 
-Moves into the remote tier go through the :class:`~kvtier.uploader.Uploader` (a queue and its
+Moves into the remote tier go through the :class:`~kvtier.store.uploader.Uploader` (a queue and its
 thread): the handler for (DRAM or SSD, remote) only copies the bytes out for it.
 
 Tenants: every entry records whose chunk it is (DRAM slot, SSD header, remote object), and a
@@ -40,11 +40,11 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.placement import Copied, Move, Shape
+from kvtier.store.uploader import Uploader
 from kvtier.tiers.base import EntryExistsError, Reservation, Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
-from kvtier.uploader import Uploader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

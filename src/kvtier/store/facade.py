@@ -7,7 +7,7 @@
     store.save(tokens, kv)                     # new full chunks go to DRAM
 
 One model's KV (its :class:`~kvtier.core.layout.KVLayout`) over a
-:class:`~kvtier.cache.ChunkCache`, which holds the tiers (host DRAM, then SSD, then a shared
+:class:`~kvtier.store.cache.ChunkCache`, which holds the tiers (host DRAM, then SSD, then a shared
 remote tier), decides placement (a :class:`~kvtier.core.placement.Placement`, the same object
 ``kvtier replay`` measures) and moves the bytes on its transfer handlers. A chunk saved goes to
 DRAM; when DRAM is full the policy's victim is demoted to SSD (written there unless SSD already
@@ -37,11 +37,11 @@ from typing import Self
 
 import torch
 
-from kvtier.cache import ChunkCache, Held, Slot, wait_all
 from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, bind_keys, chunk_tokens_of
 from kvtier.core.placement import Placement, Shape
-from kvtier.store_types import (  # noqa: F401 (re-exported: the store's public types)
+from kvtier.store.cache import ChunkCache, Held, Slot, wait_all
+from kvtier.store.config import (  # noqa: F401 (re-exported: the store's public types)
     MAX_WAITING,
     NOMINAL_READ_BPS,
     WRITE_MODES,
@@ -53,10 +53,10 @@ from kvtier.store_types import (  # noqa: F401 (re-exported: the store's public 
     StoreStats,
     make_remote_tier,
 )
+from kvtier.store.packing import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 from kvtier.tiers.base import Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.host import HostTier
-from kvtier.transfer import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.placement import Placement
-from kvtier.moves import TierMover
-from kvtier.store_types import make_remote_tier
+from kvtier.store.config import make_remote_tier
+from kvtier.store.moves import TierMover
 from kvtier.tiers.base import Tier
 from kvtier.tiers.host import HostTier
 

@@ -14,7 +14,7 @@ from kvtier.tiers.mooncake import MooncakeTierConfig
 from kvtier.tiers.valkey import ValkeyTierConfig
 from tests.remote_servers import unique_prefix, wait_until
 
-from .conftest import make_kv
+from ..conftest import make_kv
 
 C = 16
 
@@ -300,7 +300,7 @@ def test_what_the_store_remembers_of_the_remote_tier_stays_bounded_under_uploads
                                                                               monkeypatch):
     """Uploads add to what the store knows is remote; a write-heavy instance whose lookups hit
     locally never probes, and used to grow that record for ever."""
-    from kvtier import remote_level
+    from kvtier.store import remote_level
 
     monkeypatch.setattr(remote_level, "MAX_REMOTE_KEYS", 5)
     with store_on(layout, valkey_remote(valkey_standalone.address, unique_prefix()), host_chunks=16) as store:

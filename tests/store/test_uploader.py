@@ -5,12 +5,12 @@ import threading
 
 import torch
 
-from kvtier.remote_level import make_remote
+from kvtier.store.remote_level import make_remote
+from kvtier.store.uploader import EVICT_BATCH, Uploader
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
-from kvtier.uploader import EVICT_BATCH, Uploader
 from tests.remote_servers import unique_prefix
 
-from .tiers.tier_contract import ENTRY, SEGMENT, data, key
+from ..tiers.tier_contract import ENTRY, SEGMENT, data, key
 
 
 def tier_on(server, entries: int = 16, **kw) -> ValkeyTier:

@@ -3,7 +3,7 @@
 A save or an eviction never waits on the network: it queues the chunk's bytes here and goes on.
 A queued chunk becomes visible in the remote tier (and in the store's index, through the
 ``done`` callback) only once its upload has committed. The uploader is the store's transfer
-handler for every move into the remote tier (:mod:`kvtier.moves`).
+handler for every move into the remote tier (:mod:`kvtier.store.moves`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.policy import POLICIES, LRUPolicy
 from kvtier.tiers.disk import header_len_for
 
-from .conftest import make_kv
+from ..conftest import make_kv
 
 C = 16  # chunk tokens in the `layout` fixture
 
@@ -265,7 +265,7 @@ class _RefuseDeepChunks(LRUPolicy):
 
 
 def test_the_store_obeys_the_policys_admission(layout, tmp_path, monkeypatch):
-    import kvtier.store_types as store_module
+    import kvtier.store.config as store_module
 
     monkeypatch.setitem(POLICIES, "refuse-deep", lambda context: _RefuseDeepChunks())
     monkeypatch.setattr(store_module, "LIVE_POLICIES", (*store_module.LIVE_POLICIES, "refuse-deep"))
