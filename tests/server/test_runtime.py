@@ -118,7 +118,7 @@ def test_sizes_and_counts_on_the_wire_are_bounded_and_do_not_break_stats(tmp_pat
 def test_a_dev_shm_too_small_for_the_arena_fails_at_start_saying_so(tmp_path, monkeypatch):
     import errno
 
-    from kvtier.tiers.host import HostArena
+    from kvtier.tiers.arena import HostArena
 
     def enospc(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -7,8 +7,9 @@ import uuid
 import pytest
 import torch
 
+from kvtier.tiers.arena import SHM_DIR, HostArena
 from kvtier.tiers.base import TierFullError
-from kvtier.tiers.host import SHM_DIR, HostArena, HostTier, HostTierConfig
+from kvtier.tiers.host import HostTier, HostTierConfig
 
 from .tier_contract import ENTRY, TierContract, data, key
 
@@ -60,7 +61,7 @@ def test_the_arena_can_live_in_shared_memory_mapped_by_another_process():
         slot = tier.slot_of(key(1))
         code = (
             "import sys, torch\n"
-            "from kvtier.tiers.host import HostArena\n"
+            "from kvtier.tiers.arena import HostArena\n"
             f"a = HostArena.attach({name!r}, {tier.arena.size})\n"
             f"seg = a.tensor[{slot}:{slot + ENTRY}]\n"
             "print(int(seg.sum()))\n"
@@ -207,7 +208,7 @@ def test_closing_an_arena_under_a_live_view_never_unmaps_it():
     name = f"kvtier-{uuid.uuid4().hex}"
     code = (
         "import gc, os\n"
-        "from kvtier.tiers.host import HostArena\n"
+        "from kvtier.tiers.arena import HostArena\n"
         f"a = HostArena(1 << 20, {name!r})\n"
         "v = a.tensor[4096:8192]\n"
         "a.close()\n"

@@ -41,7 +41,8 @@ import torch
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.errors import KVTierError
-from kvtier.tiers.base import PAGE, Tier
+from kvtier.tiers.arena import PAGE
+from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.host import HostTier, HostTierConfig
 

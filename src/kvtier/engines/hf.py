@@ -56,8 +56,8 @@ from kvtier.engines.truncation import (
 )
 from kvtier.model_id import model_fingerprint
 from kvtier.store import KVStore, StoreConfig
-from kvtier.store.config import KVCacheAPI
 from kvtier.store.packing import TORCH_DTYPES
+from kvtier.store.results import KVCacheAPI
 from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 

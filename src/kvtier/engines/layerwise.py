@@ -20,8 +20,8 @@ import time
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.store.config import KVCacheAPI, LookupResult
 from kvtier.store.packing import torch_dtype
+from kvtier.store.results import KVCacheAPI, LookupResult
 
 
 class LoadFailed(KVTierError, RuntimeError):

@@ -45,8 +45,8 @@ from kvtier.errors import DaemonUnavailable, LeaseLost
 from kvtier.server import protocol
 from kvtier.server.connection import Connection, Link
 from kvtier.server.runtime import default_socket_path
-from kvtier.store.config import LoadResult, LookupResult, SaveResult
 from kvtier.store.packing import LayerKV, check_kv, pack_chunk, unpack_layer
+from kvtier.store.results import LoadResult, LookupResult, SaveResult
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,7 @@ import torch
 from kvtier.errors import DaemonUnavailable, LeaseLost
 from kvtier.server import protocol
 from kvtier.server.runtime import ARENA_NAME, check_socket_dir, peer_of
-from kvtier.tiers.base import PAGE
-from kvtier.tiers.host import SHM_DIR, HostArena
+from kvtier.tiers.arena import PAGE, SHM_DIR, HostArena
 
 log = logging.getLogger(__name__)
 

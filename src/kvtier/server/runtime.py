@@ -25,7 +25,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from kvtier.tiers.host import SHM_DIR
+from kvtier.tiers.arena import SHM_DIR
 
 log = logging.getLogger(__name__)
 

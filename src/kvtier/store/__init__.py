@@ -13,14 +13,8 @@ Below it, each module one part of the store's engine:
 - :mod:`kvtier.store.config` -- the store's configuration and result types.
 """
 
-from kvtier.store.config import (
-    LoadResult,
-    LookupResult,
-    RemoteConfig,
-    SaveResult,
-    StoreConfig,
-    StoreStats,
-)
+from kvtier.store.config import RemoteConfig, StoreConfig
 from kvtier.store.facade import KVStore
+from kvtier.store.results import LoadResult, LookupResult, SaveResult, StoreStats
 
 __all__ = ["KVStore", "LoadResult", "LookupResult", "RemoteConfig", "SaveResult", "StoreConfig", "StoreStats"]

@@ -49,11 +49,11 @@ from kvtier.store.config import (
     EntryState,
     Held,
     Slot,
-    StoreStats,
 )
 from kvtier.store.moves import TierMover
 from kvtier.store.remote_level import RemoteLevel, make_remote
 from kvtier.store.request_numbers import Requests
+from kvtier.store.results import StoreStats
 from kvtier.store.uploader import Uploader
 from kvtier.tiers.base import Reservation, Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat

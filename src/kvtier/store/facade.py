@@ -41,19 +41,12 @@ from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, bind_keys, chunk_tokens_of
 from kvtier.core.placement import Placement, Shape
 from kvtier.store.cache import ChunkCache, Held, Slot, wait_all
-from kvtier.store.config import (  # noqa: F401 (re-exported: the store's public types)
-    MAX_WAITING,
-    NOMINAL_READ_BPS,
-    WRITE_MODES,
-    LoadResult,
-    LookupResult,
+from kvtier.store.config import (
     RemoteConfig,
-    SaveResult,
     StoreConfig,
-    StoreStats,
-    make_remote_tier,
 )
 from kvtier.store.packing import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
+from kvtier.store.results import LoadResult, LookupResult, SaveResult, StoreStats
 from kvtier.tiers.base import Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.host import HostTier

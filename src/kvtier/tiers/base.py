@@ -50,9 +50,8 @@ from kvtier.errors import (  # noqa: F401 - re-exported: the tier contract's err
     TierFullError,
     TierUnavailableError,
 )
+from kvtier.tiers.arena import PAGE
 from kvtier.tiers.codecs import KVFormat
-
-PAGE = 4096
 
 PutOutcome = bool | TierFullError | EntryExistsError
 """One entry's outcome in :meth:`Tier.put_many`."""

@@ -23,19 +23,15 @@ the arena is registered as pinned (page-locked) memory so host<->device copies r
 
 from __future__ import annotations
 
-import errno
 import logging
-import mmap
-import os
-import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.tiers.arena import PAGE, HostArena
 from kvtier.tiers.base import (
-    PAGE,
     EntryExistsError,
     Reservation,
     Tier,
@@ -47,7 +43,6 @@ from kvtier.tiers.codecs import KVFormat
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 MIN_EXTENT = 64 << 10
 MAX_EXTENT = 256 << 20
 
@@ -83,114 +78,6 @@ class HostTierConfig:
             raise ValueError(f"host extent_bytes must be an int of at least {PAGE}, got {self.extent_bytes!r}")
         if not isinstance(self.shm_mode, int) or not 0 <= self.shm_mode <= 0o777:
             raise ValueError(f"host shm_mode must be a permission mode like 0o660, got {self.shm_mode!r}")
-
-
-class HostArena:
-    """A page-aligned byte arena in an anonymous or shared memory mapping."""
-
-    def __init__(self, size: int, shm_name: str | None = None, *, create: bool = True,
-                 mode: int = 0o600, gid: int | None = None) -> None:
-        if size <= 0:
-            raise ValueError(f"arena size must be positive, got {size}")
-        self.size = size
-        self.shm_name = shm_name
-        self._owner = create and shm_name is not None
-        if shm_name is None:
-            self._mmap = mmap.mmap(-1, size)
-        else:
-            if not shm_name or "/" in shm_name or shm_name in (".", ".."):
-                raise ValueError(f"shared-memory arena name {shm_name!r} is not a plain name")
-            path = os.path.join(SHM_DIR, shm_name)
-            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-            try:
-                fd = os.open(path, flags, mode)
-            except FileExistsError:
-                raise ValueError(f"shared-memory arena {path} already exists") from None
-            try:
-                if create:
-                    self._allocate(fd, path, size, mode, gid)
-                else:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode):
-                        raise ValueError(f"shared-memory arena {path} is not a regular file")
-                    if st.st_size < size:
-                        raise ValueError(f"shared-memory arena {path} is smaller than {size} bytes")
-                self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
-            except BaseException:
-                if create:
-                    os.unlink(path)
-                raise
-            finally:
-                os.close(fd)
-        # Through a memoryview, which every tensor over the arena keeps alive: while any view
-        # exists, closing the mapping fails (BufferError) instead of unmapping memory under it.
-        self.tensor = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
-        self._registered = False
-
-    @staticmethod
-    def _allocate(fd: int, path: str, size: int, mode: int, gid: int | None) -> None:
-        """Size the new arena and commit its memory now: on a tmpfs too small for it, a mapping
-        that is only truncated to size faults (SIGBUS) at the first write past what fits."""
-        os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
-        if gid is not None:
-            os.fchown(fd, -1, gid)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                free = _shm_free()
-                raise ValueError(
-                    f"cannot allocate the {size} byte DRAM arena in {SHM_DIR} ({exc.strerror}; "
-                    f"{free} bytes free there): enlarge {SHM_DIR} (docker run --shm-size) or lower "
-                    "the host capacity") from None
-            # no fallocate on this filesystem: at least check the space
-            os.ftruncate(fd, size)
-            if _shm_free() < size:
-                raise ValueError(f"{SHM_DIR} has {_shm_free()} bytes free, the DRAM arena needs "
-                                 f"{size}: enlarge it (docker run --shm-size) or lower the host capacity") from None
-
-    @classmethod
-    def attach(cls, shm_name: str, size: int) -> HostArena:
-        """Map an arena another process created (ValueError, OSError if it cannot be)."""
-        return cls(size, shm_name, create=False)
-
-    def pin(self) -> bool:
-        """Page-lock the arena for CUDA copies; False where CUDA is not available."""
-        if self._registered or not torch.cuda.is_available():
-            return self._registered
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
-        self._registered = int(err) == 0
-        if not self._registered:
-            log.warning("cudaHostRegister of %d bytes failed (%s); host arena is pageable", self.size, err)
-        return self._registered
-
-    def close(self) -> None:
-        """Unmap (every view of the arena becomes invalid: the caller must hold none) and, for
-        the arena's creator, unlink it from /dev/shm."""
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self._registered = False
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a view is still alive somewhere: the mapping goes with the last one
-            self._mmap = None
-        if self._owner and self.shm_name is not None:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.shm_name))
-            except FileNotFoundError:
-                pass
-            self._owner = False
-
-
-def _shm_free() -> int:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 @dataclass(slots=True)
