@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kvtier.core.codec_choice import CodecFigures, choose_codec
+from kvtier.tiers.codec_types import CodecError, KVFormat
 from kvtier.tiers.codecs import (
-    CodecError,
-    KVFormat,
     bytes_ratio,
     decode,
     encode,

@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from kvtier.tiers.disk import DiskTier, DiskTierConfig, header_len_for
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.disk_format import header_len_for
 
 from .tier_contract import ENTRY, SEGMENT, TierContract, data, key
 
@@ -149,7 +151,8 @@ def test_one_process_owns_a_directory(tmp_path):
 
 WRITER = r"""
 import sys, torch
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_config import DiskTierConfig
 tier = DiskTier(DiskTierConfig(sys.argv[1], 1 << 40))
 base = torch.randint(0, 256, (int(sys.argv[2]),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 i = 0

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.codecs import KVFormat, error_bound, frame_bytes
-from kvtier.tiers.disk import DiskTier, DiskTierConfig, header_len_for
+from kvtier.tiers.codec_types import KVFormat
+from kvtier.tiers.codecs import error_bound, frame_bytes
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.disk_format import header_len_for
 
 FMT = KVFormat("float32", 32, 2)
 LAYERS = 4

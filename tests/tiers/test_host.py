@@ -9,7 +9,8 @@ import torch
 
 from kvtier.tiers.arena import SHM_DIR, HostArena
 from kvtier.tiers.base import TierFullError
-from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_config import HostTierConfig
 
 from .tier_contract import ENTRY, TierContract, data, key
 

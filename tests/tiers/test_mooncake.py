@@ -9,7 +9,7 @@ import torch
 
 from kvtier.tiers.base import TierFullError
 from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig
-from kvtier.tiers.remote import header_len
+from kvtier.tiers.remote_format import header_len
 from tests.remote_servers import unique_prefix, wait_until
 
 from .tier_contract import ENTRY, SEGMENT, TierContract, data, key, try_put
@@ -149,7 +149,8 @@ def _promotion_with_the_holder_stalled(servers):
     them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
     from kvtier.core.placement import Shape
     from kvtier.store.moves import TierMover
-    from kvtier.tiers.host import HostTier, HostTierConfig
+    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.host_config import HostTierConfig
 
     servers.start()
     tier = open_tier(servers.master_address, timeout_s=0.5, reconnect_interval_s=0.2)

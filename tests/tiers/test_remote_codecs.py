@@ -12,14 +12,15 @@ import torch
 import xxhash
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.codecs import CODEC_IDS, KVFormat, error_bound, frame_bytes
+from kvtier.tiers.codec_types import CODEC_IDS, KVFormat
+from kvtier.tiers.codecs import error_bound, frame_bytes
 from kvtier.tiers.coded import Coding
 from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig
-from kvtier.tiers.remote import (
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote_format import (
     FIXED_BYTES,
     CorruptObject,
     ObjectHeader,
-    RemoteTier,
     header_len,
     peek_header_len,
 )

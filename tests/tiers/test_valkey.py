@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.tiers.base import TierFullError
-from kvtier.tiers.remote import header_len
+from kvtier.tiers.remote_format import header_len
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
 from tests.remote_servers import TLSProxy, unique_prefix, wait_until
 

@@ -22,7 +22,7 @@ Pinning: ``pin(key)`` keeps an entry from being deleted (``delete`` raises
 :class:`EntryPinnedError`) until the matching ``unpin``. Pins nest. The store pins what it reads
 so that a concurrent eviction cannot pull an entry out from under a reader.
 
-Codecs: ``put`` and ``put_many`` take ``fmt`` (a :class:`~kvtier.tiers.codecs.KVFormat`, or
+Codecs: ``put`` and ``put_many`` take ``fmt`` (a :class:`~kvtier.tiers.codec_types.KVFormat`, or
 None), what the bytes are when they are KV. A tier configured with a codec (SSD, remote) stores
 such entries compressed and reads them back as raw bytes (:mod:`kvtier.tiers.coded`); other
 tiers ignore it.
@@ -51,7 +51,7 @@ from kvtier.errors import (  # noqa: F401 - re-exported: the tier contract's err
     TierUnavailableError,
 )
 from kvtier.tiers.arena import PAGE
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 
 PutOutcome = bool | TierFullError | EntryExistsError
 """One entry's outcome in :meth:`Tier.put_many`."""

@@ -20,15 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.tiers.codecs import (
-    CODEC_IDS,
-    CODEC_NAMES,
-    CodecError,
-    KVFormat,
-    decode,
-    encode,
-    frame_bytes,
-)
+from kvtier.tiers.codec_types import CODEC_IDS, CODEC_NAMES, CodecError, KVFormat
+from kvtier.tiers.codecs import decode, encode, frame_bytes
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +94,7 @@ def decode_range(coding: Coding, frames: torch.Tensor, f0: int, offset: int, len
                  out: torch.Tensor | None) -> torch.Tensor:
     """Raw bytes ``[offset, offset + length)`` of an entry from its frames ``f0...``
     (``frames``: those frames, verified by the tier), into ``out`` when given. A frame that
-    fails to decode raises :class:`~kvtier.tiers.codecs.CodecError` (the tier's read is then a
+    fails to decode raises :class:`~kvtier.tiers.codec_types.CodecError` (the tier's read is then a
     miss on a damaged entry)."""
     seg, fsize = coding.raw_seg, coding.frame
     count = frames.numel() // fsize

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 from mooncake.store import MooncakeDistributedStore
 
-from kvtier.tiers.remote import FIXED_BYTES, BufferPool
+from kvtier.tiers.remote_buffers import BufferPool
+from kvtier.tiers.remote_format import FIXED_BYTES
 
 NO_AVAILABLE_HANDLE, INVALID_PARAMS = -200, -600
 REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS = -703, -704, -705

@@ -17,8 +17,9 @@ from mooncake.store import MooncakeDistributedStore
 
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.remote import BufferPool, Health
+from kvtier.tiers.remote_buffers import BufferPool
 from kvtier.tiers.remote_config import MooncakeTierConfig, parse_address
+from kvtier.tiers.remote_health import Health
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

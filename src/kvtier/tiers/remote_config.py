@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from kvtier.tiers.codecs import check_codec
+from kvtier.tiers.codec_types import check_codec
 
 
 def check_positive_int(value: object, field: str) -> None:

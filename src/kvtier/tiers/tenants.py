@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.base import PutOutcome, Reservation, Tier, TierStats
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

@@ -17,8 +17,8 @@ from valkey.exceptions import ConnectionError as ValkeyConnectionError
 
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.remote import Health
 from kvtier.tiers.remote_config import ValkeyTierConfig, parse_address
+from kvtier.tiers.remote_health import Health
 
 log = logging.getLogger(__name__)
 
