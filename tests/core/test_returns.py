@@ -320,9 +320,12 @@ class Clock:
 def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_back(
         layout, tmp_path, monkeypatch):
     import kvtier.store.cache as cache_module
+    import kvtier.store.cache_reads as cache_reads_module
+    import kvtier.store.cache_writes as cache_writes_module
 
     clock = Clock()
-    monkeypatch.setattr(cache_module, "time", clock)  # the requests' start times, as begin sees them
+    for module in (cache_module, cache_reads_module, cache_writes_module):
+        monkeypatch.setattr(module, "time", clock)  # the requests' start times, as begin sees them
     c = layout.chunk_tokens
     alice = list(range(2 * c))
     with store_of(layout, host_chunks=4, disk_path=tmp_path) as store:
@@ -350,9 +353,12 @@ def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_
 def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_was_done(
         layout, tmp_path, monkeypatch, reply_saved_after_finished):
     import kvtier.store.cache as cache_module
+    import kvtier.store.cache_reads as cache_reads_module
+    import kvtier.store.cache_writes as cache_writes_module
 
     clock = Clock()
-    monkeypatch.setattr(cache_module, "time", clock)
+    for module in (cache_module, cache_reads_module, cache_writes_module):
+        monkeypatch.setattr(module, "time", clock)
     c = layout.chunk_tokens
     tokens = list(range(c))
     with store_of(layout, host_chunks=8, disk_path=tmp_path) as store:

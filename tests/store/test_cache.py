@@ -12,7 +12,7 @@ import torch
 
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.core.keys import ChunkKey
-from kvtier.core.placement import Shape
+from kvtier.core.mover import Shape
 from kvtier.store import RemoteConfig
 from kvtier.store.cache import CacheConfig, ChunkCache, Slot
 from kvtier.tiers.disk import header_len_for
@@ -157,7 +157,7 @@ def test_the_remote_level_forgets_chunks_another_instance_evicted(layout, valkey
 
 
 def test_an_entry_goes_through_explicit_states_while_bytes_move(layout, tmp_path):
-    from kvtier.store.cache import EntryState
+    from kvtier.store.config import EntryState
 
     shape = Shape(layout.chunk_bytes, layout.layer_bytes)
     config = CacheConfig(host=HostTierConfig(2 * layout.chunk_bytes), chunk=shape,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.placement import Shape
+from kvtier.core.mover import Shape
 from kvtier.core.policy import LIVE_POLICIES, POLICIES
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTierConfig

@@ -39,8 +39,10 @@ import torch
 
 from kvtier.core.index import ChunkIndex
 from kvtier.core.keys import ChunkKey, Namespace, bind_keys, chunk_tokens_of
-from kvtier.core.placement import Placement, Shape
-from kvtier.store.cache import ChunkCache, Held, Slot, wait_all
+from kvtier.core.mover import Shape
+from kvtier.core.placement import Placement
+from kvtier.store.cache import ChunkCache, Held, Slot
+from kvtier.store.cache_writes import wait_all
 from kvtier.store.config import (
     RemoteConfig,
     StoreConfig,

@@ -1,10 +1,11 @@
-"""Byte movement for the store: transfer handlers per pair of tiers, and the live mover.
+"""Byte movement for the store: the live mover (transfer handlers per pair of tiers are in
+:mod:`kvtier.store.transfers`, its reads up into DRAM in :mod:`kvtier.store.promotions`).
 
 :class:`~kvtier.core.placement.Placement` decides, under the store's lock, and hands each decision
-to the store's :class:`TierMover` as a :class:`~kvtier.core.placement.Move`. The mover takes what
+to the store's :class:`TierMover` as a :class:`~kvtier.core.mover.Move`. The mover takes what
 must be taken atomically with the decision -- the destination's reservation, made while the lock
 is still held -- then **releases the store's lock** and gives the byte copy to the
-:class:`Handler` registered for the move's (source tier, destination tier) pair, which runs it
+:class:`~kvtier.store.transfers.Handler` registered for the move's (source tier, destination tier) pair, which runs it
 on its own threads; when it is done the mover takes the lock again and reports the outcome.
 Other clients' lookups, loads and saves go on meanwhile: no tier I/O, no network round trip and
 no bulk memory copy happens under the lock.
@@ -33,69 +34,24 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.placement import Copied, Move, Shape
+from kvtier.core.mover import Copied, Move, Shape
+from kvtier.store.promotions import Promotions
+from kvtier.store.transfers import HANDLER_THREADS, Handler, Transfers
 from kvtier.store.uploader import Uploader
-from kvtier.tiers.base import EntryExistsError, Reservation, Tier, TierFullError
+from kvtier.tiers.base import Tier, TierFullError
 from kvtier.tiers.codecs import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-HANDLER_THREADS = {("host", "disk"): 2, ("disk", "host"): 2, ("remote", "host"): 2,
-                   ("host", "remote"): 1, ("disk", "remote"): 1}
-"""Threads per (source, destination) pair: the SSD's queue depth, the remote tier's calls."""
-WAIT_FOR_WRITER_S = 0.5
-"""How long a promotion waits for another thread's write of the same chunk (it may be a daemon
-client's write lease, held for a whole forward pass: then the promotion gives up)."""
 
 
-class Handler:
-    """The transfers of one (source tier, destination tier) pair, on its own threads."""
-
-    def __init__(self, src: str, dst: str, threads: int) -> None:
-        self.name = f"{src}->{dst}"
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{src}-{dst}")
-
-    def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        """Run ``fn`` on this handler's threads and wait for it (the caller holds no lock)."""
-        return self._pool.submit(fn, *args, **kwargs).result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-class Transfers:
-    """The registry of handlers, one per (source tier, destination tier) pair."""
-
-    def __init__(self) -> None:
-        self._handlers: dict[tuple[str, str], Handler] = {}
-
-    def register(self, src: str, dst: str, threads: int | None = None) -> Handler:
-        handler = Handler(src, dst, HANDLER_THREADS.get((src, dst), 1) if threads is None else threads)
-        self._handlers[(src, dst)] = handler
-        return handler
-
-    def get(self, src: str, dst: str) -> Handler:
-        try:
-            return self._handlers[(src, dst)]
-        except KeyError:
-            return self.register(src, dst)
-
-    def close(self) -> None:
-        for handler in self._handlers.values():
-            handler.close()
-
-
-class TierMover:
-    """The store's :class:`~kvtier.core.placement.Mover`: moves chunk bytes between its tiers.
+class TierMover(Promotions):
+    """The store's :class:`~kvtier.core.mover.Mover`: moves chunk bytes between its tiers.
 
     ``lock`` is the store's lock, held by whoever calls the mover (the placement); the mover
     releases it while bytes move. Without one (a mover used on its own, in tests) nothing is
@@ -312,112 +268,6 @@ class TierMover:
             return Copied.FAILED
         return Copied.OK if stored else Copied.FAILED
 
-    def _reserve_up(self, key: ChunkKey, source: Tier, level: int) -> Reservation | Copied:
-        """A DRAM reservation for ``key`` coming up from ``source`` (under the lock), or the
-        outcome when there is none to make: another thread writes the chunk (waited for)."""
-        shape = self.entry_of(level, key)
-        if shape is None:
-            with self.unlocked():
-                n = source.entry_bytes(key)
-            if n is None:
-                return Copied.SOURCE_LOST
-            shape = Shape(n, n)
-        tenant = source.tenant_of(key) if isinstance(source, DiskTier) else self._tenant_of(key)
-        try:
-            return self.host.reserve(key, shape.nbytes, shape.segment_bytes, fmt=source.format_of(key),
-                                     tenant=tenant or "")
-        except EntryExistsError:
-            return self._await_writer(key)
-        except (TierFullError, ValueError) as exc:  # the room made was taken meanwhile: a miss now
-            log.info("copying chunk %s from %s to host failed: %s", key.hex(), source.name, exc)
-            return Copied.FAILED
-
-    def _await_writer(self, key: ChunkKey) -> Copied:
-        """Another thread is writing ``key`` into DRAM (a save, a promotion): wait for it."""
-        host = self.host
-        if self.changed is not None:
-            self.changed.wait_for(lambda: not host.reserving(key), timeout=WAIT_FOR_WRITER_S)
-        return Copied.PRESENT if host.contains(key) else Copied.FAILED
-
-    def _read_up(self, move: Move) -> Copied:
-        key, source = move.key, self.tiers[move.src]
-        res = self._reserve_up(key, source, move.src)
-        if isinstance(res, Copied):
-            return res
-        late: list[Future] = []
-        try:
-            with self.unlocked():
-                ok = self._handler(move.src, move.dst).run(source.get_into, key, res.buffer, late.append)
-        except ValueError as exc:  # held there at another size than asked for: a miss, kept there
-            self._release_all(late, self.host, [res])
-            self.notify()
-            log.info("chunk %s in %s is not of the size asked for: %s", key.hex(), source.name, exc)
-            return Copied.FAILED
-        except BaseException:
-            self._release_all(late, self.host, [res])
-            self.notify()
-            raise
-        if late:  # a read given up on may still write the reservation: it is abandoned after
-            self._release_all(late, self.host, [res])
-            return Copied.SOURCE_LOST
-        stored = self.host.commit(res, ok=ok)
-        self.notify()
-        if not ok:
-            return self._not_read(source, key)
-        return Copied.OK if stored else Copied.FAILED
-
-    def _not_read(self, source: Tier, key: ChunkKey) -> Copied:
-        """A read that failed: the copy is lost if the source dropped it (damage) or is the
-        remote tier (its index entry is only a hint); an SSD chunk still there failed for a
-        reason of the machine (EMFILE, EIO) and stays."""
-        if isinstance(source, DiskTier) and source.contains(key):
-            return Copied.FAILED
-        return Copied.SOURCE_LOST
-
-    def copy_many(self, moves: Sequence[Move]) -> list[Copied]:
-        """:meth:`copy` of each move; chunks read from a lower tier are read with one
-        ``get_many_into`` (one round trip to the remote tier) straight into the destination's
-        reservations."""
-        if len(moves) < 2 or moves[0].src == 0 or moves[0].dst != 0:
-            return [self.copy(move) for move in moves]
-        src = moves[0].src
-        source = self.tiers[src]
-        results = [Copied.FAILED] * len(moves)
-        held: list[tuple[int, Reservation]] = []
-        for i, move in enumerate(moves):
-            res = self._reserve_up(move.key, source, src)
-            if isinstance(res, Copied):
-                results[i] = res
-            else:
-                held.append((i, res))
-        if not held:
-            return results
-        late: list[Future] = []
-        try:
-            with self.unlocked():
-                oks = self._handler(src, 0).run(
-                    source.get_many_into, [moves[i].key for i, _ in held], [res.buffer for _, res in held],
-                    late.append)
-        except BaseException as exc:  # ValueError: an entry of another size
-            self._release_all(late, self.host, [res for _, res in held])
-            self.notify()
-            if not isinstance(exc, ValueError):
-                raise
-            if late:  # the source is down: nothing to retry now
-                return results
-            retry = {i for i, _ in held}  # one by one, each sized by its source
-            return [self.copy(m) if i in retry else results[i] for i, m in enumerate(moves)]
-        # reads given up on may still write the unread reservations: released once they end
-        self._release_all(late, self.host, [res for (_, res), ok in zip(held, oks, strict=True) if not ok])
-        for (i, res), ok in zip(held, oks, strict=True):
-            results[i] = ((Copied.OK if self.host.commit(res, ok=True) else Copied.FAILED) if ok
-                          else self._not_read(source, moves[i].key))
-        for i, r in enumerate(results):  # "present" was found before the batch released the lock
-            if r is Copied.PRESENT and not self.host.contains(moves[i].key):
-                results[i] = Copied.FAILED
-        self.notify()
-        return results
-
     def _upload(self, move: Move) -> Copied:
         key, source = move.key, self.tiers[move.src]
         shape = self.entry_of(move.src, key)
@@ -450,41 +300,6 @@ class TierMover:
                 notify(key, ok, tenant)
 
         return self.uploader.submit(key, data, done, seg, fmt, tenant=tenant)
-
-    # -- reads given up on --------------------------------------------------------------------
-    def _release_all(self, late: list[Future], target: Tier, reservations: list[Reservation]) -> None:
-        """Release ``reservations`` now, or, when reads given up on (``late``) may still write
-        them, once every one of those calls has ended (on a thread of its own: the calls may
-        end right here, under the store's lock)."""
-        if not late:
-            for res in reservations:
-                target.commit(res, ok=False)
-            return
-        lock, left = threading.Lock(), [len(late)]
-
-        def ended(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                threading.Thread(target=self._abandon, args=(target, reservations), daemon=True,
-                                 name="kvtier-late-abandon").start()
-
-        for future in late:
-            future.add_done_callback(ended)
-
-    def _abandon(self, target: Tier, reservations: list[Reservation]) -> None:
-        try:
-            if self._lock is None:
-                for res in reservations:
-                    target.commit(res, ok=False)
-                return
-            with self._lock:
-                for res in reservations:
-                    target.commit(res, ok=False)
-                self.notify()
-        except ValueError:  # the tier was closed meanwhile: nothing left to release
-            log.debug("late abandon of %d reservations: %s already closed", len(reservations), target.name)
 
     def close(self) -> None:
         self.transfers.close()

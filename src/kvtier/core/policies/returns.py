@@ -85,199 +85,34 @@ only worth it as a staging area.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.policies.attentionstore import QUEUE_LOOKAHEAD
 from kvtier.core.policies.base import EvictionPolicy, TierContext
+from kvtier.core.policies.returns_heaps import ReturnsHeaps, _Slot
+from kvtier.core.policies.returns_model import (
+    ADMIT_LOG_VAR,
+    GAP_PRIOR_S,
+    LOG_VAR_PRIOR,
+    MAX_CHUNKS,
+    MAX_SESSIONS,
+    MIN_GAP_S,
+    ReturnsModel,
+    Sig,
+    _Again,
+    _bounded,
+    _Chunk,
+    _Group,
+    _Mean,
+)
 from kvtier.core.policies.window import QueueWindow
 
-GAP_PRIOR_S = 60.0
-"""The cross-session gap before any gap is seen (a chat user's think time)."""
-GLOBAL_WINDOW = 1000
-PRIOR_GAPS = 1.0
-LOG_VAR_PRIOR = math.pi ** 2 / 6
-"""Variance of the log of an exponential think time: irregular until shown otherwise."""
-REGULAR_LOG_VAR = 0.5
-"""Between gamma think times of shape 2 (0.64) and 3 (0.39); a fixed think time has 0."""
-ADMIT_LOG_VAR = 0.1
-"""Measured on ShareGPT sessions at AttentionStore's capacities, where an SSD hit takes 4x a
-recompute: sessions with a fixed think time (log variance about 0) are staged in time for 98%
-of their hits, and admitting them to SSD pays; with per-session gamma think times of shape 4
-(0.28) only 36% are, and admitting them at 0.5 saved -77% of prefill, at 0.25 -38%, at 0.1
-(none admitted) +7%."""
-OVER_FACTOR = 3.0
-"""At most this many gaps after its last use a group is over."""
-OVER_Z = 2.0
-"""A group is over once its gap is this many standard deviations (of its log gaps) overdue: for
-lognormal gaps, the 98th percentile of its gap (3.6 gaps for an exponential's spread, capped at
-``OVER_FACTOR``; 2.3 for a gamma of shape 4; about 1 for a fixed think time)."""
-LEAD_SHARE = 0.5
-MIN_LEAD_S = 1.0
-MIN_GAP_S = 1.0
-MAX_USES = 4
-MAX_SESSIONS = 1 << 16
-MAX_CHUNKS = 1 << 20
-"""Chunks remembered (group, position) beyond those resident; the oldest are forgotten."""
-MAX_BEGUN = 1 << 12
-"""Requests remembered: start times (for touches that name their request), arrivals and the
-session each used (for the think time)."""
-BUDGET_SCAN = 16
-"""Groups looked at, farthest first, to size what one staging may evict."""
 
-Sig = tuple[int, ChunkKey, ChunkKey]
-INF = float("inf")
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    """A session, or one chunk shared by several sessions (``session`` False)."""
-
-    session: bool
-    sid: int = -1
-    depth: int = 0
-    """A shared chunk's position (among equals the deepest goes first)."""
-    last: float = 0.0
-    epoch: int | None = None
-    uses: int = 0
-    gap_sum: float = 0.0
-    gaps: int = 0
-    log_mean: float = 0.0
-    log_m2: float = 0.0
-    gap: float = 0.0
-    p: float = 1.0
-    var: float = LOG_VAR_PRIOR
-    """The variance of the logs of its gaps (shrunk towards all sessions')."""
-    regular: bool = False
-    due: float = 0.0
-    slack: float = OVER_FACTOR
-    """Gaps after its last use when it is over."""
-    over: float = 0.0
-    stage_at: float = INF
-    cls: int | None = None
-    """Its class for :class:`_Again` at its last use."""
-    ended: int = -1
-    """The use counted as over without a return."""
-    version: int = 0
-    resident: int = 0
-    heap: list[tuple[int, int, int, ChunkKey]] = field(default_factory=list)
-    """Resident chunks: (stamp, -position, tie, key), the least recently touched by the group
-    first, then the deepest; stale entries are skipped."""
-    keys: tuple[ChunkKey, ...] = ()
-    """A session's latest sequence (prefix order)."""
-    tails: tuple[ChunkKey, ...] = ()
-    staged: int = -1
-    """The use count a staging was last returned for."""
-    arrived: int = 0
-    """Its chunks put into DRAM so far."""
-    tried: tuple[int, int] | None = None
-    """(use count, arrived) when a staging last returned it."""
-    held: float | None = None
-    """Its last use while a request claims it (see ``_claim``)."""
-    served: int = -1
-    """The request of its last use (whose reply its next turn answers)."""
-    replied: float | None = None
-    """When the reply to that request was done (:meth:`ReturnsPolicy.finished`)."""
-    think: tuple[int, float] | None = None
-    """(request, think time): the session's next request arrived this long after the reply
-    to its last one; that request's use takes it as the gap."""
-    forgotten: bool = False
-
-    @property
-    def anchor(self) -> float:
-        """What its gap counts from: the reply to its last request when known, else that
-        request's start."""
-        replied = self.replied
-        return replied if replied is not None and replied > self.last else self.last
-
-    def expected(self, now: float) -> float:
-        """When its next use is expected, seen from ``now``."""
-        if self.regular:
-            return self.anchor + self.gap / self.p
-        return now + max(self.gap, now - self.anchor) / self.p
-
-    def prefix(self, keys: Sequence[ChunkKey]) -> bool:
-        """Whether ``keys`` is a prefix of its latest sequence."""
-        n = len(keys)
-        return n <= len(self.keys) and self.keys[n - 1] == keys[-1]
-
-
-@dataclass(slots=True)
-class _Chunk:
-    group: _Group
-    position: int
-    stamp: int
-    """Its group's use count when the group last touched it."""
-    dead: bool = False
-    """Superseded in its session (see ``_supersede``) and not touched since."""
-
-
-@dataclass(slots=True)
-class _Slot:
-    """Where a resident chunk is queued: a group's heap (entry ``tie``), or none (orphan,
-    fresh)."""
-
-    group: _Group | None
-    tie: int
-    stamp: int = 0
-
-
-class _Again:
-    """P(a group is used again | its class), counted online over the uses whose outcome is
-    known: used again, or over without (a use still open would bias the odds down). The class
-    is the use count so far (1, 2, 3, 4+) and whether its latest sequence has more than one
-    chunk: a one-chunk prompt is a partial block, which the next turn's prompt does not repeat,
-    so by keys that "session" never continues (a short first turn) and must not lower the odds
-    of the others."""
-
-    def __init__(self) -> None:
-        self._seen = [0] * (2 * MAX_USES + 2)
-        self._again = [0] * (2 * MAX_USES + 2)
-
-    @staticmethod
-    def of(uses: int, wide: bool) -> int:
-        return 2 * min(uses, MAX_USES) + wide
-
-    def returned(self, cls: int, counted: bool) -> None:
-        """Used again; ``counted``: already counted as over (it came back late)."""
-        self._again[cls] += 1
-        self._seen[cls] += not counted
-
-    def ended(self, cls: int) -> None:
-        self._seen[cls] += 1
-
-    def p(self, cls: int) -> float:
-        """Smoothed towards the odds of all classes of its width (two uses' worth)."""
-        width = slice(cls % 2, None, 2)
-        pooled = (sum(self._again[width]) + 1) / (sum(self._seen[width]) + 2)
-        return (self._again[cls] + 2 * pooled) / (self._seen[cls] + 2)
-
-
-def _bounded(requests: OrderedDict, seq: int, value: object) -> None:
-    """``requests[seq] = value``, the oldest forgotten past ``MAX_BEGUN``."""
-    requests[seq] = value
-    while len(requests) > MAX_BEGUN:
-        requests.popitem(last=False)
-
-
-class _Mean:
-    """An exponentially weighted mean over about ``GLOBAL_WINDOW`` samples."""
-
-    def __init__(self, prior: float) -> None:
-        self.value, self._n = prior, 0
-
-    def add(self, x: float) -> None:
-        self._n += 1
-        self.value += (x - self.value) / min(self._n, GLOBAL_WINDOW)
-
-
-class ReturnsPolicy(EvictionPolicy):
+class ReturnsPolicy(ReturnsModel, ReturnsHeaps, EvictionPolicy):
     lookahead = QUEUE_LOOKAHEAD
 
     def __init__(self, context: TierContext | None = None) -> None:
@@ -367,211 +202,6 @@ class ReturnsPolicy(EvictionPolicy):
         self._rank(g)
         self._plan(g)  # (a session already in the window of its earlier plan stays there:
         # dropping it lost 1.2 points of prefill saved with fixed think times, 13B)
-
-    def staging(self, now: float) -> list[Sequence[ChunkKey]]:
-        """Regular sessions within their lead of their expected return and not in DRAM for
-        it, as their latest sequences (prefix order), soonest expected first; each only as far
-        as DRAM holds chunks expected farther than it (see the module docstring). A session
-        whose staged chunks are evicted before it comes back waits to be staged again. None
-        while a request is queued (announced with ``hint`` and not begun)."""
-        heap, waiting = self._to_stage, self._waiting
-        while heap and heap[0][0] <= now:
-            at, _, g, uses = heapq.heappop(heap)
-            if g.uses == uses and g.stage_at == at:
-                waiting[g] = None
-        for g in [g for g in waiting if g.forgotten or g.staged == g.uses or now >= g.over
-                  or not g.regular]:
-            del waiting[g]
-        if not waiting or self._queued:
-            return []  # behind a queue a session is prefetched as the queue's own (see above)
-        farther = self._farther(now) if self._pressed else [(INF, 1 << 62)]
-        out: list[Sequence[ChunkKey]] = []
-        for g in sorted(waiting, key=lambda g: g.expected(now)):
-            if g.held is not None:
-                continue  # being served
-            mine = g.expected(now)
-            if not farther or farther[-1][0] <= mine:
-                break  # DRAM holds nothing expected later than this one, or the next ones
-            missing = [i for i, key in enumerate(g.keys) if key not in self._resident]
-            if g.tried == (g.uses, g.arrived):
-                missing = []  # the last staging brought none of it: not held below
-            budget = 0
-            while missing and farther and farther[-1][0] > mine and budget < len(missing):
-                budget += farther.pop()[1]
-            if budget >= len(missing):
-                g.staged = g.uses
-                del waiting[g]
-            if missing and budget:
-                out.append(g.keys if budget >= len(missing) else g.keys[: missing[budget]])
-                g.tried = (g.uses, g.arrived)
-        return out
-
-    def _farther(self, now: float) -> list[tuple[float, int]]:
-        """(expected next use, resident chunks) of the groups evicted first, ascending:
-        orphans and over groups at infinity, then up to ``BUDGET_SCAN`` of each heap."""
-        first = len(self._orphans) + sum(e[3].resident for e in self._tops(self._by_over, now))
-        out = sorted((e[3].expected(now), e[3].resident)
-                     for heap in (self._regular, self._irregular) for e in self._tops(heap)
-                     if now < e[3].over)
-        out.append((INF, first))
-        return out
-
-    def _tops(self, heap: list, over: float | None = None) -> list[tuple]:
-        """Up to ``BUDGET_SCAN`` valid entries from the top of ``heap``, in order (left in it);
-        with ``over``, only those of ``_by_over`` over by then."""
-        out: list[tuple] = []
-        while heap and len(out) < BUDGET_SCAN:
-            entry = heapq.heappop(heap)
-            if self._live_entry(entry):
-                out.append(entry)
-                if over is not None and entry[0] > over:
-                    break
-        for entry in out:
-            heapq.heappush(heap, entry)
-        return out if over is None or not out or out[-1][0] <= over else out[:-1]
-
-    # -- time and uses ------------------------------------------------------------------------
-    def _when(self, use: int | None) -> tuple[int, float] | None:
-        """(request, time) of a touch; None for a queued request's (a prefetch, not a use)."""
-        if not self._scheduled:
-            return (use if use is not None else -2 - next(self._clock)), time.monotonic()
-        if use is None:
-            return self._seq, self._now
-        if use in self._queued:
-            return None
-        return use, self._begun.get(use, self._now)
-
-    def _use(self, g: _Group, epoch: int, now: float, wide: bool = True) -> None:
-        if g.epoch == epoch:
-            return
-        if g.held is not None:  # claimed by another request: this use decides
-            g.last, g.held = g.held, None
-        if not self._scheduled and g.uses and now - g.last < MIN_GAP_S:
-            g.epoch = epoch  # the lookup, load and save of one request, unnumbered
-            return
-        think, g.think = g.think, None
-        gap = think[1] if think is not None and think[0] == epoch else now - g.last
-        if g.uses and gap > 0:
-            g.gap_sum += gap
-            g.gaps += 1
-            delta = math.log(gap) - g.log_mean
-            g.log_mean += delta / g.gaps
-            step = delta * (math.log(gap) - g.log_mean)
-            g.log_m2 += step
-            if g.session:
-                self._gap.add(gap)
-                if g.gaps > 1:
-                    self._log_var.add(step)
-        again, cls = self._again[g.session], _Again.of(g.uses + 1, wide)
-        if g.cls is not None:
-            again.returned(g.cls, g.ended == g.uses)
-        g.uses += 1
-        g.last, g.epoch, g.cls, g.p = now, epoch, cls, again.p(cls)
-        g.replied = self._replied.get(epoch)
-        if g.session:
-            self._sessions.move_to_end(g.sid)
-            g.served = epoch
-            _bounded(self._serving, epoch, g)
-        prior = self._gap.value
-        g.gap = (g.gap_sum + PRIOR_GAPS * prior) / (g.gaps + PRIOR_GAPS) if g.gaps else prior
-        g.var = var = (g.log_m2 + 2 * self._log_var.value) / (max(g.gaps - 1, 0) + 2)
-        g.regular = var < REGULAR_LOG_VAR
-        sigma = math.sqrt(max(var, 0.0))
-        g.slack = min(OVER_FACTOR, math.exp(OVER_Z * sigma - var / 2))
-        self._rank(g)
-        heapq.heappush(self._open, (g.over, next(self._tie), g, g.uses))
-        if not self._scheduled:
-            self._close(now)  # no begin to do it
-        self._plan(g)
-
-    def _plan(self, g: _Group) -> None:
-        """When to stage a regular session into DRAM: its lead before it is expected to start
-        (its next arrival, plus the queue's mean wait). Never if that comes after it would be
-        over (counted from its reply: a queue longer than the lead and its slack): by then it
-        is queued, and the queue's prefetch brings it in (staging it for its arrival instead
-        holds DRAM the queue's head needs)."""
-        at = g.due + self._wait.value - max(MIN_LEAD_S, LEAD_SHARE * g.gap)
-        if g.session and g.regular and self._scheduled and self._ctx.level == 0 and at < g.over:
-            g.stage_at = at
-            heapq.heappush(self._to_stage, (at, next(self._tie), g, g.uses))
-        else:
-            g.stage_at = INF
-
-    def _close(self, now: float) -> None:
-        """Uses over without a return: their outcome is known now."""
-        heap = self._open
-        while heap and heap[0][0] <= now:
-            _, _, g, uses = heapq.heappop(heap)
-            if g.uses != uses or g.ended == uses or g.cls is None:
-                continue
-            if g.over > now:  # moved later since (counted from its reply): not over yet
-                heapq.heappush(heap, (g.over, next(self._tie), g, uses))
-                continue
-            self._again[g.session].ended(g.cls)
-            g.ended = uses
-
-    def _rank(self, g: _Group) -> None:
-        g.due = g.anchor + g.gap
-        g.over = g.anchor + max(g.slack * g.gap, g.gap + MIN_LEAD_S)
-        self._requeue(g)
-
-    def _requeue(self, g: _Group) -> None:
-        g.version += 1
-        if not g.resident:
-            return
-        tie = next(self._tie)
-        if g.regular:
-            heapq.heappush(self._regular, (-g.expected(0.0), -g.depth, tie, g, g.version))
-        else:
-            heapq.heappush(self._irregular, (g.anchor - g.gap / g.p, -g.depth, tie, g, g.version))
-        heapq.heappush(self._by_over, (g.over, -g.depth, tie, g, g.version))
-        if len(self._regular) + len(self._irregular) + len(self._by_over) > 8 * self._live + 4096:
-            for name in ("_regular", "_irregular", "_by_over"):
-                live = [e for e in getattr(self, name) if self._live_entry(e)]
-                heapq.heapify(live)
-                setattr(self, name, live)
-
-    @staticmethod
-    def _live_entry(entry: tuple) -> bool:
-        g = entry[3]
-        return g.version == entry[4] and g.resident > 0
-
-    def _settle(self) -> None:
-        """The requests begun before: a claim their history confirmed by no extension, and a
-        request that touched only what was known, were uses of what they touched (a prompt
-        seen before)."""
-        for epoch, (g, now, keys) in self._claims.items():
-            self._unclaim(g)
-            self._used(keys, epoch, now)
-        for epoch, (now, keys) in self._unclaimed.items():
-            if epoch not in self._extended and epoch not in self._claims:
-                self._used(keys, epoch, now)
-        self._claims.clear()
-        self._unclaimed.clear()
-        self._extended.clear()
-
-    def _used(self, keys: Sequence[ChunkKey], epoch: int, now: float) -> None:
-        """A use of the groups of ``keys``' chunks, each touched in it."""
-        for key in keys:
-            meta = self._meta.get(key)
-            if meta is not None and not meta.group.forgotten:
-                self._use(meta.group, epoch, now)
-                meta.stamp, meta.dead = meta.group.uses, False
-                self._requeue_chunk(key)
-
-    def _claim(self, g: _Group, epoch: int, now: float, keys: Sequence[ChunkKey]) -> None:
-        """Request ``epoch`` looked up a prefix of ``g``'s history: until the request shows
-        whose it is (its save extends a session) ``g`` ranks as used now, not staged, so that
-        making room for that save does not evict the session being served for one due later."""
-        g.held = g.last
-        g.last = now
-        self._rank(g)
-        self._claims[epoch] = (g, now, keys)
-
-    def _unclaim(self, g: _Group) -> None:
-        if g.held is not None:
-            g.last, g.held = g.held, None
-            self._rank(g)
 
     # -- sessions -----------------------------------------------------------------------------
     def _match(self, keys: Sequence[ChunkKey]) -> _Group | None:
@@ -720,47 +350,6 @@ class ReturnsPolicy(EvictionPolicy):
                     self._meta[key] = _Chunk(owner, pos, owner.uses)
                 self._requeue_chunk(key)
 
-    def _requeue_chunk(self, key: ChunkKey) -> None:
-        """Queue a resident chunk where its metadata says (no-op when it is there already)."""
-        slot = self._resident.get(key)
-        if slot is None:
-            return
-        meta = self._meta.get(key)
-        if meta is None or meta.group.forgotten or meta.dead:
-            if slot.group is not None or key not in self._orphans:
-                self._place(key, None)
-        elif slot.group is not meta.group or slot.stamp != meta.stamp:
-            self._place(key, meta.group, meta.position, meta.stamp)
-
-    def _place(self, key: ChunkKey, g: _Group | None, position: int = 0, stamp: int = 0) -> None:
-        """(Re)queue resident ``key`` in group ``g`` (None: with the orphans)."""
-        self._unplace(key, self._resident[key])
-        tie = next(self._tie)
-        self._resident[key] = _Slot(g, tie, stamp)
-        if g is None:
-            self._orphans[key] = None
-            return
-        heapq.heappush(g.heap, (stamp, -position, tie, key))
-        g.resident += 1
-        if g.resident == 1:
-            self._live += 1
-            self._requeue(g)
-        elif len(g.heap) > 2 * g.resident + 16:  # touched again and again: drop stale entries
-            resident = self._resident
-            g.heap = [e for e in g.heap if (s := resident.get(e[3])) is not None
-                      and s.group is g and s.tie == e[2]]
-            heapq.heapify(g.heap)
-
-    def _unplace(self, key: ChunkKey, slot: _Slot) -> None:
-        g = slot.group
-        if g is not None:
-            g.resident -= 1
-            if not g.resident:
-                self._live -= 1
-                g.heap.clear()
-        self._orphans.pop(key, None)
-        self._fresh.pop(key, None)
-
     def insert(self, key: ChunkKey, position: int | None = None) -> None:
         if key in self._resident:
             return
@@ -803,67 +392,6 @@ class ReturnsPolicy(EvictionPolicy):
         if g is not None and g.staged == g.uses and g.held is None:  # staged, evicted before its turn
             g.staged = -1
             self._waiting[g] = None
-
-    def _top(self, g: _Group) -> ChunkKey | None:
-        heap, resident = g.heap, self._resident
-        while heap:
-            *_, tie, key = heap[0]
-            slot = resident.get(key)
-            if slot is not None and slot.group is g and slot.tie == tie:
-                return key
-            heapq.heappop(heap)
-        return None
-
-    def _peek(self, heap: list) -> tuple | None:
-        while heap and not self._live_entry(heap[0]):
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        self._pressed = True
-        window = self._window
-        needed: list[tuple[int, ChunkKey]] = []
-
-        def fit(key: ChunkKey | None) -> bool:
-            if key is None or not evictable(key):
-                return False
-            need = window.next_need(key)
-            if need is None:
-                return True
-            needed.append((need, key))
-            return False
-
-        for key in self._orphans:
-            if fit(key):
-                return key
-        now = self._now if self._scheduled else time.monotonic()
-        if not self._scheduled:
-            self._close(now)
-        found, aside = None, []
-        while found is None:
-            over = self._peek(self._by_over)
-            if over is not None and over[0] < now:
-                heap = self._by_over
-            else:
-                regular, irregular = self._peek(self._regular), self._peek(self._irregular)
-                if regular is None and irregular is None:
-                    break
-                heap = self._regular if irregular is None or (
-                    regular is not None and regular[3].expected(now) >= irregular[3].expected(now)
-                ) else self._irregular
-            entry = heapq.heappop(heap)
-            aside.append((heap, entry))
-            key = self._top(entry[3])
-            if fit(key):
-                found = key
-        for heap, entry in aside:
-            heapq.heappush(heap, entry)
-        if found is not None:
-            return found
-        for key in reversed(self._fresh):
-            if fit(key):
-                return key
-        return max(needed)[1] if needed else None
 
     def __len__(self) -> int:
         return len(self._resident)
