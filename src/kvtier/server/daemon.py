@@ -37,21 +37,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from kvtier.core.keys import ROOT_KEY, ChunkKey, Namespace, bind_keys, chunk_tokens_of, tail_key
+from kvtier.core.keys import ROOT_KEY, ChunkKey, bind_keys, chunk_tokens_of, tail_key
 from kvtier.server import protocol
 from kvtier.server.connections import Connections
-from kvtier.server.leases import Lease, LeaseEnded, Leases
+from kvtier.server.leases import LeaseEnded, Leases
 from kvtier.server.ops import OPS
 from kvtier.server.protocol import BadRequest
 from kvtier.server.runtime import (
-    Peer,
-    ProcessWatch,
     SocketClaim,
     new_arena_name,
     own_socket,
     peer_of,
     raise_fd_limit,
 )
+from kvtier.server.session import Session
 from kvtier.server.settings import (  # noqa: F401 - AccessConfig: re-exported with the daemon
     AccessConfig,
     ClientNamespace,
@@ -75,33 +74,6 @@ class HeldPrefix:
     tail_tier: str | None = None
 
 
-class _Session:
-    """One client connection and what it holds."""
-
-    def __init__(self, sock: socket.socket, peer: Peer) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.watch = ProcessWatch(peer.pid)
-        self.client = b""
-        self.instance = ""
-        self.ns: ClientNamespace | None = None
-        self.leases: dict[int, Lease] = {}
-        """Changed only by :class:`~kvtier.server.leases.Leases`, under its lock."""
-        self._bound: dict[str, Namespace] = {}
-
-    @property
-    def owner(self) -> tuple[int, int]:
-        """(pid, uid) at the other end: who may later say it stopped writing this one's leases."""
-        return self.peer.pid, self.peer.uid
-
-    def namespace(self, tenant: str) -> Namespace:
-        ns = self._bound.get(tenant)
-        if ns is None:
-            assert self.ns is not None
-            ns = self._bound[tenant] = self.ns.namespace(tenant)
-        return ns
-
-
 class StoreDaemon:
     """Serves one :class:`~kvtier.store.cache.ChunkCache` over a Unix socket. ``start()`` runs it in a
     thread; ``serve_forever`` in the caller's. ``observe(op, seconds)`` is called after every
@@ -116,7 +88,7 @@ class StoreDaemon:
         access = config.access
         self.claim = SocketClaim(config.socket_path)
         self.cache: ChunkCache | None = None
-        self._sessions: set[_Session] = set()
+        self._sessions: set[Session] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         try:
@@ -191,7 +163,7 @@ class StoreDaemon:
                 log.exception("reaping leases failed")
 
     # -- connections --------------------------------------------------------------------------
-    def _accepted(self, sock: socket.socket) -> _Session | None:
+    def _accepted(self, sock: socket.socket) -> Session | None:
         """A new connection: its session, or None to refuse it (``max_clients``)."""
         try:
             peer = peer_of(sock)
@@ -203,7 +175,7 @@ class StoreDaemon:
                 log.warning("refusing a client (pid %d, uid %d): %d clients are connected already",
                             peer.pid, peer.uid, self.config.access.max_clients)
                 return None
-            session = _Session(sock, peer)
+            session = Session(sock, peer)
             self._sessions.add(session)
         return session
 
@@ -211,7 +183,7 @@ class StoreDaemon:
         return {"ok": False, "refused": True,
                 "error": f"the daemon serves at most {self.config.access.max_clients} clients"}
 
-    def _serve_request(self, session: _Session, request: dict[str, object]) -> dict[str, object]:
+    def _serve_request(self, session: Session, request: dict[str, object]) -> dict[str, object]:
         start = time.perf_counter()
         op = request.get("op")
         handler = OPS.get(op) if isinstance(op, str) else None
@@ -228,7 +200,7 @@ class StoreDaemon:
         self.observe(str(op) if handler is not None else "unknown", time.perf_counter() - start)  # bounded labels
         return reply
 
-    def _ended(self, session: _Session) -> None:
+    def _ended(self, session: Session) -> None:
         """The connection is gone: its read leases end now, its write leases are orphaned
         until nothing can still write their slots (:mod:`kvtier.server.leases`)."""
         pins, orphaned = self.leases.end(session.leases, session.watch, session.owner)
@@ -239,12 +211,12 @@ class StoreDaemon:
             self._sessions.discard(session)
 
     # -- helpers ------------------------------------------------------------------------------
-    def namespace_of(self, session: _Session) -> ClientNamespace:
+    def namespace_of(self, session: Session) -> ClientNamespace:
         if session.ns is None:
             raise BadRequest("this operation needs a namespace (name one in the hello)")
         return session.ns
 
-    def bound(self, session: _Session, req: dict[str, object]) -> tuple[ClientNamespace, list[ChunkKey], str]:
+    def bound(self, session: Session, req: dict[str, object]) -> tuple[ClientNamespace, list[ChunkKey], str]:
         """The request's keys bound to the namespace (and tenant) it may use, and that tenant."""
         ns = self.namespace_of(session)
         tenant = protocol.text(req, "tenant")
@@ -289,13 +261,13 @@ class StoreDaemon:
         return HeldPrefix(tiers, n, None if lvl is None else names[lvl])
 
     @staticmethod
-    def request_name(session: _Session, request_id: str | None) -> str | None:
+    def request_name(session: Session, request_id: str | None) -> str | None:
         """A request id as the cache knows it: per instance the client names in its hello (a
         vLLM instance's scheduler and workers share one), else per process (two vLLM instances
         both number their requests "0", "1", ...)."""
         return None if request_id is None else f"{session.instance}/{request_id}"
 
-    def use_of(self, req: dict[str, object], session: _Session, *, finished: bool = False,
+    def use_of(self, req: dict[str, object], session: Session, *, finished: bool = False,
                arrived: bool = False) -> int | None:
         """The cache's number of the request ``req`` names (``finished``: also one that
         finished lately, for a save of its reply; ``arrived``: one not announced yet is

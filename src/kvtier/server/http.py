@@ -45,12 +45,13 @@ refused with 403, and ``/v1/namespaces`` and ``"auto"`` never show their namespa
 answers only requests whose ``Host`` is a loopback name, so a web page in a local browser
 cannot read it by rebinding a DNS name onto 127.0.0.1. An anonymous request's cost is bounded:
 1 MiB of body, 128K tokens, 32 connections at once (one more is answered 503), 10 s per read
-and 15 s per connection. ``messages`` makes the daemon load a tokenizer (local files only,
-never code: ``trust_remote_code`` is off; 4 kept; one load or chat at a time) and render its
-chat template (transformers' sandboxed Jinja); a model directory that users other than the
-daemon's and root may write (or whose files they may) is refused with 403, since its template
-would run in the daemon; a model name's revision never leaves its repo in the cache, and an
-unknown model's answer names no path.
+and 15 s per connection (the last three: :mod:`kvtier.server.http_port`). ``messages`` makes
+the daemon load a tokenizer (local files only, never code: ``trust_remote_code`` is off; 4
+kept; one load or chat at a time) and render its chat template (transformers' sandboxed
+Jinja); a model directory that users other than the daemon's and root may write (or whose
+files they may) is refused with 403, since its template would run in the daemon; a model
+name's revision never leaves its repo in the cache, and an unknown model's answer names no
+path.
 """
 
 from __future__ import annotations
@@ -61,13 +62,10 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -86,11 +84,6 @@ RenderChat = Callable[[str, list[dict[str, str]]], list[int]]
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS = 1 << 17
-MAX_CONCURRENT = 32
-"""Connections served at once; one beyond them is answered 503 at once."""
-READ_TIMEOUT_S = 10.0
-REQUEST_DEADLINE_S = 15.0
-"""A connection is cut this long after it was accepted (one that trickles bytes included)."""
 TOKEN_LIMIT = 1 << 31
 _FIELDS = {"tokens", "messages", "model", "namespace", "model_id", "cache_salt", "block_tokens", "compute"}
 _NS_FIELDS = {"model", "layout", "page_format", "tenant", "chunk_tokens"}
@@ -379,75 +372,4 @@ def _compute(req: dict[str, object]) -> tuple[ComputeModel, list[str]]:
         raise HTTPError(400, f"compute: {exc}") from None
 
 
-class _Handler(WSGIRequestHandler):
-    timeout = READ_TIMEOUT_S  # a client that stalls mid-request loses its connection
-
-    def setup(self) -> None:
-        super().setup()
-        # a client that trickles a byte every few seconds never hits the read timeout: the
-        # whole connection has a deadline
-        self._cut = threading.Timer(REQUEST_DEADLINE_S, self._shutdown)
-        self._cut.daemon = True
-        self._cut.start()
-
-    def _shutdown(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def finish(self) -> None:
-        self._cut.cancel()
-        super().finish()
-
-    def log_message(self, format: str, *args: object) -> None:
-        """A router polling every few milliseconds must not fill the daemon's log."""
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        if not self._slots.acquire(blocking=False):
-            try:  # busy: said at once (a scraper sees why), never queued
-                request.settimeout(0.5)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
-                                b"Content-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class HTTPPort:
-    """``app`` served on ``host:port`` by threads of its own (0: any free port)."""
-
-    def __init__(self, app: StoreHTTP, host: str, port: int) -> None:
-        try:
-            self._server = make_server(host, port, app, server_class=_Server, handler_class=_Handler)  # type: ignore[arg-type]
-        except (OSError, OverflowError) as exc:
-            raise ValueError(f"cannot serve metrics on {host}:{port}: {exc}") from None
-        self.address: tuple[str, int] = (host, int(self._server.server_address[1]))
-        threading.Thread(target=self._server.serve_forever, args=(0.2,), name="kvtier-http", daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-__all__ = ["HTTPPort", "StoreHTTP", "describe", "unreadable"]
+__all__ = ["StoreHTTP", "describe", "unreadable"]

@@ -1,7 +1,8 @@
 """The daemon's operations: one function per request ``op``, in :data:`OPS`.
 
-Each takes the daemon, the request (checked field by field: :mod:`kvtier.server.protocol`)
-and the client's session, and returns the reply. What a lease is and how it ends:
+Each takes the daemon (what it uses of it: :class:`~kvtier.server.session.OpsDaemon`), the
+request (checked field by field: :mod:`kvtier.server.protocol`) and the client's session, and
+returns the reply. What a lease is and how it ends:
 :mod:`kvtier.server.leases`.
 """
 
@@ -9,19 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvtier.core.placement import Shape
 from kvtier.errors import TierFullError
 from kvtier.server import protocol
 from kvtier.server.leases import Lease
 from kvtier.server.protocol import BadRequest
+from kvtier.server.session import OpsDaemon, Session
 from kvtier.server.settings import ClientNamespace, parse_namespace
 from kvtier.store.cache import Slot
 from kvtier.tiers.base import Reservation
-
-if TYPE_CHECKING:
-    from kvtier.server.daemon import StoreDaemon, _Session
 
 DEFAULT_BUDGET_MS = 1000
 
@@ -34,7 +32,7 @@ def _deadline(req: dict[str, object]) -> float:
     return time.monotonic() + min(max(budget, 1), 60_000) / 1000
 
 
-def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def hello(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     version = req.get("version")
     if version != protocol.VERSION:
         return {"ok": False, "refused": True,
@@ -62,7 +60,7 @@ def hello(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dic
             "tiers": [t.name for t in daemon.cache.tiers],
             "tenant": session.ns.tenant if session.ns else daemon.config.tenant}
 
-def _cannot_hold(daemon: StoreDaemon, ns: ClientNamespace) -> str | None:
+def _cannot_hold(daemon: OpsDaemon, ns: ClientNamespace) -> str | None:
     assert daemon.cache is not None
     shape = ns.shape
     try:
@@ -75,7 +73,7 @@ def _cannot_hold(daemon: StoreDaemon, ns: ClientNamespace) -> str | None:
                     f"bytes is larger than the {tier.name} tier ({tier.capacity} bytes)")
     return None
 
-def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def lookup(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
     c = ns.layout.chunk_tokens
     n = protocol.integer(req, "num_tokens", len(keys) * c, len(keys) * c + c - 1, default=len(keys) * c)
@@ -84,7 +82,7 @@ def lookup(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
                                    tenant=tenant)
     return {"ok": True, "tiers": [daemon.cache.tiers[lvl].name for lvl in hit.levels]}
 
-def probe(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def probe(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     _, keys, tenant = daemon.bound(session, req)
     remote = req.get("remote", False)
     if not isinstance(remote, bool):
@@ -110,7 +108,7 @@ def _unique(keys: list[object]) -> None:
         raise BadRequest("keys: the same chunk key appears twice in one request")
 
 
-def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def acquire(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
     _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
@@ -138,7 +136,7 @@ def acquire(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     return {"ok": True, "lease": lease_id if held else None, "slots": [h.offset for h in held],
             "tiers": [h.source for h in held]}
 
-def release(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def release(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     lease = daemon.leases.take(session.leases, lease_id, write=False)
     ns = daemon.namespace_of(session)
@@ -153,7 +151,7 @@ def release(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     daemon.cache.count_loaded(zip(lease.sources, took, strict=False), had=had, failed=failed)
     return {"ok": True}
 
-def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def reserve(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
     _unique(keys)
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
@@ -195,7 +193,7 @@ def reserve(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
         daemon.leases.grant(session.leases, lease)
     return {"ok": True, "lease": lease_id if lease.writes else None, "slots": slots}
 
-def commit(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def commit(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     lease_id = protocol.integer(req, "lease", 1, protocol.MAX_LEASE)
     lease = daemon.leases.take(session.leases, lease_id, write=True)
     assert daemon.cache is not None
@@ -214,14 +212,14 @@ def commit(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
         daemon.cache.touch(lease.keys, start=lease.first, use=lease.use)
     return {"ok": True, "committed": done}
 
-def forget(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def forget(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ids = protocol.integers(req, "leases", 1, protocol.MAX_LEASE)
     lost = protocol.integer(req, "lost_chunks", 0, protocol.MAX_KEYS * 64, default=0)
     assert daemon.cache is not None
     daemon.cache.count(engine_load_failures=lost)  # what the client threw away, lost leases
     return {"ok": True, "freed": daemon.leases.forget(session.client, ids, session.owner)}
 
-def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def prefetch(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
     first = protocol.integer(req, "first", 0, protocol.MAX_KEYS * 256, default=0)
     wait = req.get("wait", False) is True
@@ -230,7 +228,7 @@ def prefetch(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> 
                               tenant=tenant)
     return {"ok": True, "promoted": n}
 
-def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def queued(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
     request_id = protocol.text(req, "request_id")
     if not request_id:
@@ -244,7 +242,7 @@ def queued(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> di
     return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait,  # type: ignore[arg-type]
                                                         tenant=tenant, prefetch=prefetch)}
 
-def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def started(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")
     if not request_id:
         raise BadRequest("started needs a request_id")
@@ -252,23 +250,23 @@ def started(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> d
     daemon.cache.started(daemon.request_name(session, request_id))  # type: ignore[arg-type]
     return {"ok": True}
 
-def finished(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def finished(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")
     if request_id:
         assert daemon.cache is not None
         daemon.cache.finished(daemon.request_name(session, request_id))  # type: ignore[arg-type]
     return {"ok": True}
 
-def stats(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def stats(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     return {"ok": True, "stats": daemon.snapshot()}
 
-def flush(daemon: StoreDaemon, req: dict[str, object], session: _Session) -> dict[str, object]:
+def flush(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     timeout = protocol.integer(req, "timeout_s", 0, 3600, default=30)
     assert daemon.cache is not None
     return {"ok": True, "done": daemon.cache.flush(timeout)}
 
 
-OPS: dict[str, Callable[[StoreDaemon, dict[str, object], _Session], dict[str, object]]] = {
+OPS: dict[str, Callable[[OpsDaemon, dict[str, object], Session], dict[str, object]]] = {
     "hello": hello,
     "lookup": lookup,
     "probe": probe,

@@ -9,7 +9,8 @@ is made, a lookup on it is answered 503.
 from __future__ import annotations
 
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
-from kvtier.server.http import HTTPPort, RenderChat, StoreHTTP
+from kvtier.server.http import RenderChat, StoreHTTP
+from kvtier.server.http_port import HTTPPort
 from kvtier.server.metrics import Metrics
 
 
