@@ -374,7 +374,7 @@ def test_a_cache_salt_gives_other_keys(sched):
 
 
 def test_a_lora_adapter_and_an_image_give_other_keys_and_prompt_embeds_skip(sched):
-    from kvtier.engines.vllm.scheduler import skipped
+    from kvtier.engines.vllm.request_state import skipped
 
     tokens = list(range(3 * CHUNK))
     base = sched._full_keys(request("a", tokens), tokens)
@@ -438,7 +438,7 @@ def test_a_lookup_has_no_side_effects_and_a_daemon_away_is_a_miss(sched):
 
 
 def test_a_waiting_request_asked_about_every_step_is_looked_up_once_a_second(sched, monkeypatch):
-    from kvtier.engines.vllm import scheduler
+    from kvtier.engines.vllm import lookups
 
     calls = []
     monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: calls.append(1) or [])
@@ -451,7 +451,7 @@ def test_a_waiting_request_asked_about_every_step_is_looked_up_once_a_second(sch
     sched.get_num_new_matched_tokens(r, 0)  # vLLM lost it again: asked anew (its tail may differ)
     sched.get_num_new_matched_tokens(r, BLOCK)
     assert len(calls) == 2
-    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+    monkeypatch.setattr(lookups, "LOOKUP_REUSE_S", 0.0)
     gate = threading.Event()
     monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: gate.wait(5) and calls.append(1) or [])
     waits = sched._calls.waits
@@ -533,12 +533,12 @@ def test_a_step_that_loads_sends_its_reserves_after_its_acquires():
 
 
 def test_a_refresh_that_fails_at_once_keeps_the_answer_and_one_that_hangs_is_a_miss(sched, monkeypatch):
-    from kvtier.engines.vllm import scheduler
+    from kvtier.engines.vllm import lookups
 
     monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: ["host"] * len(keys))
     r = request("R", range(2 * CHUNK + 1))
     assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)
-    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+    monkeypatch.setattr(lookups, "LOOKUP_REUSE_S", 0.0)
 
     def fail(keys, **kw):
         raise DaemonUnavailable("gone")
@@ -547,11 +547,11 @@ def test_a_refresh_that_fails_at_once_keeps_the_answer_and_one_that_hangs_is_a_m
     sched._lookups["R"].at = time.monotonic()
     assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # the refresh goes out
     assert sched._calls.drain(5)
-    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 10.0)  # (the answer is still young)
+    monkeypatch.setattr(lookups, "LOOKUP_REUSE_S", 10.0)  # (the answer is still young)
     assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # it failed: the answer stands
     gate = threading.Event()
     monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: gate.wait(5) and [])
-    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)
+    monkeypatch.setattr(lookups, "LOOKUP_REUSE_S", 0.0)
     sched.lookup_deadline_s = 0.05
     assert sched.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, False)  # a refresh, hanging
     time.sleep(0.1)
@@ -655,9 +655,9 @@ class Pool:
 
 
 def test_a_running_batch_waits_briefly_only_for_a_request_its_pool_has_room_for(sched, monkeypatch):
-    from kvtier.engines.vllm import scheduler
+    from kvtier.engines.vllm import lookups
 
-    monkeypatch.setattr(scheduler, "ROOM_WAIT_S", 5.0)  # (a slow machine: the bound is not the point)
+    monkeypatch.setattr(lookups, "ROOM_WAIT_S", 5.0)  # (a slow machine: the bound is not the point)
     busy_with_gated_lookups(sched, monkeypatch, threading.Event(), 0.2)
     r = request("R", range(3 * CHUNK + 1))
     need = -(-len(r.all_token_ids) // BLOCK)
@@ -679,7 +679,7 @@ def test_a_running_batch_waits_briefly_only_for_a_request_its_pool_has_room_for(
 
 
 def test_an_answer_from_arrival_that_queued_long_is_served_refreshed_and_promoted(sched, monkeypatch):
-    from kvtier.engines.vllm import scheduler
+    from kvtier.engines.vllm import lookups
 
     asked: list[int] = []
     monkeypatch.setattr(sched.client, "lookup_keys", lambda keys, **kw: asked.append(len(keys)) or ["disk"] * len(keys))
@@ -691,7 +691,7 @@ def test_an_answer_from_arrival_that_queued_long_is_served_refreshed_and_promote
     r = request("R", range(3 * CHUNK + 1))
     sched.on_new_request(r)
     assert sched._calls.drain(5) and asked == [3]
-    monkeypatch.setattr(scheduler, "LOOKUP_REUSE_S", 0.0)  # it has queued since it arrived
+    monkeypatch.setattr(lookups, "LOOKUP_REUSE_S", 0.0)  # it has queued since it arrived
     # vLLM holds its first chunk itself: the answer serves the rest at once
     assert sched.get_num_new_matched_tokens(r, CHUNK) == (2 * CHUNK, False)
     assert sched._calls.drain(5) and asked == [3, 3]  # and is refreshed in the background

@@ -1,5 +1,6 @@
-"""Chats rendered to token ids with a model's own chat template, for the store daemon's HTTP
-lookup (:mod:`kvtier.server.http` takes it from the CLI: the server imports no engine).
+"""Chats rendered to token ids with a model's own chat template: :func:`chat_prompt_ids` for
+the engines, and :class:`ChatRenderer` for the store daemon's HTTP lookup
+(:mod:`kvtier.server.http` takes it from the CLI: the server imports no engine).
 
     render = ChatRenderer()
     ids = render("/models/llama", [{"role": "user", "content": "hi"}])
@@ -13,8 +14,19 @@ calls (a chat template holds the GIL).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
-from kvtier.engines.hf import chat_prompt_ids
+from kvtier.engines.truncation import Message
+
+
+def chat_prompt_ids(  # type: ignore[no-untyped-def]
+    tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template (and a generation prompt)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+    if hasattr(ids, "keys"):  # a BatchEncoding in transformers 5
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 class TokenizerError(LookupError):
@@ -45,4 +57,4 @@ class ChatRenderer:
             raise TokenizerError("cannot load a tokenizer from that model's files") from None
 
 
-__all__ = ["ChatRenderer", "NoChatTemplate", "TokenizerError"]
+__all__ = ["ChatRenderer", "NoChatTemplate", "TokenizerError", "chat_prompt_ids"]

@@ -39,12 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvtier.core.layout import KVLayout
 from kvtier.engines import attention
+from kvtier.engines.chat_render import chat_prompt_ids  # re-export (importers outside engines/)
+from kvtier.engines.hf_config import EngineConfig  # re-export (importers outside engines/)
+from kvtier.engines.hf_layout import kv_layout_for  # re-export (importers outside engines/)
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
+from kvtier.engines.preloaded_layer import PreloadedLayer
 from kvtier.engines.rope import RotaryShift
 from kvtier.engines.truncation import (
     Message,
@@ -54,6 +56,7 @@ from kvtier.engines.truncation import (
     plan_shift,
     truncate,
 )
+from kvtier.engines.turn_result import TurnResult  # re-export (importers outside engines/)
 from kvtier.model_id import model_fingerprint
 from kvtier.store import KVStore, StoreConfig
 from kvtier.store.packing import TORCH_DTYPES
@@ -62,111 +65,6 @@ from kvtier.tiers.disk import DiskTierConfig
 from kvtier.tiers.host import HostTierConfig
 
 log = logging.getLogger(__name__)
-
-
-def chat_prompt_ids(  # type: ignore[no-untyped-def]
-    tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of a chat rendered with the tokenizer's template (and a generation prompt)."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
-    if hasattr(ids, "keys"):  # a BatchEncoding in transformers 5
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def kv_layout_for(config: PretrainedConfig, chunk_tokens: int = 256, dtype: str = "float32") -> KVLayout:
-    """The KV layout of a rotary decoder-only model (Llama, Qwen2, Mistral families)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return KVLayout(
-        num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        dtype=dtype, chunk_tokens=chunk_tokens,
-    )
-
-
-class PreloadedLayer(DynamicLayer):
-    """A DynamicLayer whose first ``update`` prepends the cached prefix from the loader."""
-
-    def __init__(self, loader: LayerwiseLoader | ShiftedLoader, index: int) -> None:
-        super().__init__()
-        self._loader: LayerwiseLoader | ShiftedLoader | None = loader
-        self._index = index
-        self._prefix = loader.tokens
-
-    def get_seq_length(self) -> int:
-        if self._loader is not None:
-            return self._prefix
-        return super().get_seq_length()
-
-    def update(self, key_states, value_states, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self._loader is not None:
-            keys, values = self._loader.wait(self._index)
-            self.lazy_initialization(key_states, value_states)
-            self.keys = keys.to(key_states.device)
-            self.values = values.to(value_states.device)
-            self._loader = None
-        return super().update(key_states, value_states, *args, **kwargs)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_new_tokens: int = 32
-    layerwise: bool = True
-    """Load cached KV layer by layer under the forward pass (else all of it first)."""
-    async_save: bool = True
-    """Save new KV in the background (else before returning)."""
-    device: str = "cpu"
-    context_window: int | None = None
-    """Tokens the model attends to at most (default: its ``max_position_embeddings``). A chat
-    whose prompt plus ``truncation_headroom`` exceeds it loses its oldest turns."""
-    truncation_headroom: int | None = None
-    """Tokens kept free for the reply when truncating (default: the request's max_new_tokens)."""
-    reuse_after_truncation: bool = False
-    """After a truncation, re-use the kept turns' cached KV moved to their new positions (keys
-    rotated) instead of recomputing it. An approximation: that KV was computed with the dropped
-    turns in context. Falls back to recompute (logged) for a model whose RoPE cannot be shifted."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.context_window is not None and self.context_window <= 0:
-            raise ValueError(f"context_window must be positive, got {self.context_window}")
-        if self.truncation_headroom is not None and self.truncation_headroom < 0:
-            raise ValueError(f"truncation_headroom must be >= 0, got {self.truncation_headroom}")
-
-
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    prompt_tokens: int
-    hit_tokens: int
-    """Prompt tokens whose KV came from kvtier (not computed)."""
-    tier: str
-    """The slowest tier the hit touched (``host``, ``disk``), or ``-`` for no hit."""
-    tier_tokens: dict[str, int]
-    """Hit tokens per tier they were read from."""
-    ttft_s: float
-    """From the request to the first generated token."""
-    token_ids: list[int]
-    text: str
-    first_logits: torch.Tensor
-    """Logits of the first generated token (vocab,), for checking against a recompute."""
-    load_s: float = 0.0
-    """Time spent reading cached KV (in the loader, overlapped with compute when layer-wise)."""
-    load_hidden: float = 1.0
-    """Share of ``load_s`` that compute hid."""
-    retries: int = 0
-    """Prefills redone because cached KV turned out unreadable."""
-    dropped_turns: int = 0
-    """Oldest turns left out to fit the context window."""
-    dropped_tokens: int = 0
-    """Prompt tokens those turns took."""
-    shifted_tokens: int = 0
-    """Hit tokens whose KV was cached at later positions and moved (approximate, see
-    ``EngineConfig.reuse_after_truncation``); included in ``hit_tokens``."""
-    step_logits: torch.Tensor | None = None
-    """With ``forced_tokens``: the logits before each of them, ``[tokens, vocab]``."""
 
 
 def _slowest(tiers: dict[str, int], store: KVCacheAPI | None) -> str:

@@ -1,9 +1,9 @@
 """Layer-wise pre-loading: cached KV is read layer by layer while the forward pass runs.
 
 A :class:`LayerwiseLoader` reads layer 0 of every hit chunk, then layer 1, ... in a background
-thread; the engine's cache layer ``i`` (``kvtier.engines.hf.PreloadedLayer`` for transformers)
-calls :meth:`LayerwiseLoader.wait` from its ``update``, i.e. when attention layer ``i`` runs,
-and blocks until layer ``i`` is in memory. So layer ``i+1``
+thread; the engine's cache layer ``i`` (``kvtier.engines.preloaded_layer.PreloadedLayer`` for
+transformers) calls :meth:`LayerwiseLoader.wait` from its ``update``, i.e. when attention layer
+``i`` runs, and blocks until layer ``i`` is in memory. So layer ``i+1``
 is being read (from DRAM or SSD) while layer ``i`` computes, and only what compute cannot cover
 shows in time-to-first-token.
 

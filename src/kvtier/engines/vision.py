@@ -29,8 +29,9 @@ from transformers import AutoTokenizer, DynamicCache, LlavaForConditionalGenerat
 
 from kvtier.core.keys import image_extras
 from kvtier.core.objects import ObjectKind, content_hash, object_key
+from kvtier.engines.chat_render import chat_prompt_ids
 from kvtier.engines.default_vlm import pixel_values
-from kvtier.engines.hf import Message, chat_prompt_ids, model_fingerprint
+from kvtier.engines.hf import Message, model_fingerprint
 from kvtier.store import KVStore
 from kvtier.typed import TypedObjects
 

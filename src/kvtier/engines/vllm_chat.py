@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from kvtier.engines.hf import Message, TurnResult, chat_prompt_ids
+from kvtier.engines.chat_render import chat_prompt_ids
+from kvtier.engines.hf import Message
+from kvtier.engines.turn_result import TurnResult
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store import StoreConfig
 from kvtier.store.cache import CacheConfig

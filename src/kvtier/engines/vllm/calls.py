@@ -28,6 +28,9 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+_LATE = object()
+"""A call the step stopped waiting for."""
+
 
 class Calls:
     """One thread making daemon calls in order; bounded waits for their results."""

@@ -14,55 +14,37 @@ background while vLLM keeps the blocks (``request_finished`` returns True; the w
 the request in ``get_finished``). The next turn of the conversation then finds all of this turn's
 KV but the blocks' last partial one.
 
-A lookup (``get_num_new_matched_tokens``, which vLLM may call several times for one request and
-requires to be free of side effects) asks the daemon for the longest held run of full chunks,
-then for the longest held partial chunk after it, and remembers what it found for
-``update_state_after_alloc``. It changes nothing in vLLM or in the connector's state; the
-daemon counts the lookup and its policy sees the chunks touched (under the request's id, so a
-request looked up twice is one use).
-
-vLLM's engine loop never waits on the daemon for long (:mod:`.calls`): a lookup runs on a
-thread of its own, sent when the request arrives (``on_new_request``, for no local tokens: it
-answers whatever vLLM's own prefix cache then holds). The loop waits for a request's first
-answer at most ``wait_s`` (20 ms by default) in a step while no request is running; while some
-run, at most :data:`ROOM_WAIT_S` (2 ms) in all, and only for requests vLLM's pool has free
-blocks for (the step then admits them: a prefill step; a decode-only step waits only when such
-an answer is more than that late). One not back then is asked about again at the next step
-(vLLM's "not determined yet": the request waits, the others run), and is a miss once ``lookup_deadline_s``
-has passed since it was made; while the daemon has not answered a call for longer than
-``lookup_deadline_s`` (it is stalled), new requests miss at once without a call. A request
-asked about again (it waits for blocks at the head of the queue), or first asked about long
-after it arrived, gets its last answer at once, refreshed in the background, and the chunks of
-it that vLLM lacks and that lie below DRAM are promoted into DRAM then, once, so the step that
-loads it does not wait for SSD. Hints (queued, started, finished, those
-promotions) go out on another thread and are dropped, counted, while :data:`MAX_HINTS` of them
-wait.
+The lookups are :mod:`.lookups`, a request's keys :mod:`.request_keys`, the hints to the
+daemon's policies :mod:`.hints`, and the per-request records :mod:`.request_state`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
 
-from kvtier.core.keys import ROOT_KEY, ChunkKey, chunk_tokens_of, image_extras, tail_key
-from kvtier.core.request_extras import request_head, tagged
+from kvtier.core.keys import ChunkKey
 from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.events import KVEvents, request_blocks
+from kvtier.engines.vllm.hints import Hints
+from kvtier.engines.vllm.lookups import (  # noqa: F401 - ROOM_WAIT_S: re-export (importers outside engines/)
+    ROOM_WAIT_S,
+    Lookups,
+    _Lookup,
+    _Pending,
+)
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
+from kvtier.engines.vllm.request_keys import RequestKeys
+from kvtier.engines.vllm.request_state import Phase, _Tracked, skipped
 from kvtier.engines.vllm.stats import HIT_PREFIX
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
 
-MAX_HINTS = 1024
-"""Hints waiting to be sent at most; more are dropped (a stalled daemon must not grow a queue)."""
-MAX_PENDING_LOOKUPS = 4096
 PENDING_FREE_S = 0.5
 """How long after a request finished its save's blocks count as about to be freed
 (``has_pending_block_frees``); a save slower than that (a stalled daemon) lets vLLM preempt as
@@ -70,90 +52,9 @@ it would."""
 STALE = b"stale"
 """The epoch of a request whose KV kvtier must never save: admitted over vLLM blocks cached
 before a cache reset that did not clear vLLM's own cache (they may be the old weights')."""
-ROOM_WAIT_S = 0.002
-"""How long in all, in a step in which requests run, the loop waits for the first answers of
-requests vLLM's pool has room for (the step then admits them: a prefill step; a decode-only
-step waits only when such an answer is later than this); without it a request arriving while
-others decode would wait a step for nothing."""
-LOOKUP_REUSE_S = 1.0
-"""How old a waiting request's answer may be before it is refreshed in the background while
-vLLM asks again each step (the daemon is asked once a second at most, not every step, and the
-loop never waits for a refresh; a chunk evicted meanwhile is a failed load, which vLLM
-recomputes)."""
 
 
-class Phase(enum.Enum):
-    WAITING = "waiting"
-    LOADING = "loading"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHING = "finishing"
-
-
-def skipped(request) -> bool:  # type: ignore[no-untyped-def]
-    """A request may opt out: ``SamplingParams(extra_args={"kv_transfer_params":
-    {"kvtier": "skip"}})`` -- no lookup, no save (a baseline run, a private prompt)."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if getattr(request, "prompt_embeds", None) is not None:
-        return True  # its KV depends on embeddings, not on token ids a key could name
-    return params.get("kvtier") == "skip"
-
-
-@dataclass
-class _Lookup:
-    """What the last lookup of a request found: ``chunks`` full chunks, then a partial chunk of
-    ``tail`` blocks (key last in ``keys``) when ``tail``; for ``local`` tokens vLLM had."""
-
-    keys: list[ChunkKey]
-    chunks: int
-    tail: int
-    local: int
-    num_tokens: int
-    tiers: list[str] = field(default_factory=list)
-    """The tier of each of ``keys``, as the daemon said."""
-    at: float = 0.0
-    """When (``time.monotonic``): a request waiting for blocks is asked about every step,
-    and the answer is reused for :data:`LOOKUP_REUSE_S`."""
-
-    def at_local(self, local: int) -> _Lookup:
-        """This answer for a request vLLM now has ``local`` tokens of (see :func:`_serves`)."""
-        return self if local == self.local else replace(self, local=local)
-
-
-def _serves(num_tokens: int, local: int, n: int, num_computed_tokens: int) -> bool:
-    """Whether a lookup made for ``num_tokens`` tokens of which vLLM had ``local`` answers one
-    for ``n`` of which it has ``num_computed_tokens``: the same tokens, and vLLM has at least as
-    many (a lookup probes the partial chunk past every local hit it was made for, so one made
-    for fewer local tokens -- the lookup sent when the request arrived, for none -- found all a
-    later one would)."""
-    return num_tokens == n and local <= num_computed_tokens
-
-
-@dataclass
-class _Pending:
-    """A lookup made for a request, not answered yet."""
-
-    future: Future
-    num_tokens: int
-    local: int
-    since: float
-
-
-@dataclass
-class _Tracked:
-    request: object  # vLLM's Request: its all_token_ids grow as it generates
-    phase: Phase = Phase.WAITING
-    block_ids: list[int] = field(default_factory=list)
-    stored: int = 0
-    """Full chunks known stored in kvtier (hit, or planned for saving)."""
-    keys: list[ChunkKey] = field(default_factory=list)
-    """The keys of its full chunks, as far as computed."""
-    epoch: bytes | None = None
-    """The cache epoch it was admitted in: after a ``reset_cache`` nothing of it is saved (its
-    KV may be of the weights before the reset)."""
-
-
-class SchedulerSide:
+class SchedulerSide(Lookups, Hints, RequestKeys):
     def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int,
                  load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0) -> None:
         self.client = client
@@ -213,178 +114,7 @@ class SchedulerSide:
         self.hit_tokens: dict[str, int] = {}
         """Tokens vLLM took from kvtier (planned loads), by the tier they were found in."""
 
-    # -- keys ----------------------------------------------------------------------------------
-    def _extra(self, request, span: tuple[int, int] | None = None) -> dict[int, bytes] | None:  # type: ignore[no-untyped-def]
-        """What besides token ids makes a request's KV, as vLLM's own block hashes have it,
-        chained into the keys: its ``cache_salt`` and LoRA adapter (name and path; into the first
-        chunk's key, so into every key) and the content hash of each image (into the chunks its
-        placeholder tokens lie in; with ``span``, only of the images within those tokens -- a
-        partial chunk's). Each field is length-prefixed, so no two sets of them read alike."""
-        extras: dict[int, bytes] = {}
-        lora = getattr(request, "lora_request", None)
-        head = request_head(salt=getattr(request, "cache_salt", None), epoch=self.epoch,
-                            lora=None if lora is None else (str(getattr(lora, "lora_name", lora)),
-                                                            str(getattr(lora, "lora_path", ""))))
-        if head:
-            extras[0] = head
-        spans = []
-        for f in getattr(request, "mm_features", None) or ():
-            lo, hi = f.mm_position.offset, f.mm_position.offset + f.mm_position.length
-            if span is not None:
-                lo, hi = max(lo, span[0]), min(hi, span[1])
-            if lo < hi:
-                spans.append((lo, hi, tagged(b"image", f.identifier).hex()))
-        for i, more in image_extras(spans, self.chunk).items():
-            extras[i] = extras.get(i, b"") + more
-        return extras or None
-
-    def _full_keys(self, request, tokens: list[int]) -> list[ChunkKey]:  # type: ignore[no-untyped-def]
-        return chunk_tokens_of(tokens, self.client.namespace(), self.chunk, self._extra(request)).keys
-
-    def _tail_key(self, request, keys: list[ChunkKey], tokens: list[int], chunk: int, blocks: int) -> ChunkKey:  # type: ignore[no-untyped-def]
-        parent = keys[chunk - 1] if chunk else ROOT_KEY
-        start = chunk * self.chunk
-        extra = (self._extra(request, (start, start + blocks * self.block_size)) or {}).get(chunk)
-        return tail_key(parent, self.client.namespace(), tokens[start : start + blocks * self.block_size], extra)
-
-    def _keys_of(self, tr: _Tracked, chunks: int) -> list[ChunkKey]:
-        """The keys of the request's first ``chunks`` chunks -- only ever of tokens whose KV is
-        computed (a token sampled but not yet computed may still be replaced)."""
-        if len(tr.keys) < chunks:
-            tokens = list(tr.request.all_token_ids)  # type: ignore[attr-defined]
-            tr.keys = self._full_keys(tr.request, tokens[: chunks * self.chunk])
-        return tr.keys[:chunks]
-
-    # -- lookups -------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
-        rid = str(request.request_id)
-        n = len(request.all_token_ids) - 1  # one token must be left to compute
-        if skipped(request) or n < self.block_size or rid in self._load_failed:
-            return 0, False  # (a request whose load failed is computed, not offered it again)
-        now = time.monotonic()
-        pending = self._pending.get(rid)
-        if pending is not None and not _serves(pending.num_tokens, pending.local, n, num_computed_tokens):
-            pending.future.cancel()  # asked about other tokens now: that answer is of no use
-            del self._pending[rid]
-            pending = None
-        seen = self._lookups.get(rid)
-        if seen is not None and _serves(seen.num_tokens, seen.local, n, num_computed_tokens):
-            # asked again (the request waits for blocks): the last answer, never a wait; it is
-            # refreshed in the background once it is LOOKUP_REUSE_S old (chunks saved since --
-            # the last turn's tail -- are found; a chunk evicted meanwhile is a failed load,
-            # which vLLM recomputes)
-            if pending is not None and (pending.future.done() or now - pending.since >= self.lookup_deadline_s):
-                del self._pending[rid]
-                fresh = self._result(pending.future) if pending.future.done() else None
-                if fresh is not None:
-                    seen = self._lookups[rid] = fresh
-                elif not pending.future.done() or now - seen.at >= 2 * LOOKUP_REUSE_S:
-                    # the daemon is stalled, or the answer is too old to trust: a miss now
-                    pending.future.cancel()
-                    del self._lookups[rid]
-                    self.lookups_missed += 1
-                    return 0, False
-                # (a refresh that failed at once -- a dropped connection -- leaves the last
-                # answer standing a while; a load of a chunk gone since is a failed load)
-            elif pending is None and now - seen.at >= LOOKUP_REUSE_S:
-                if self._calls.stalled(self.lookup_deadline_s):
-                    del self._lookups[rid]
-                    self.lookups_missed += 1
-                    return 0, False
-                self._submit(rid, request, n, num_computed_tokens, now)
-            seen = self._lookups[rid] = seen.at_local(num_computed_tokens)
-            self._promote_waiting(rid, seen)  # asked again: it waits at the queue's head
-            return self._external(seen, num_computed_tokens)
-        if pending is None:
-            if self._calls.stalled(self.lookup_deadline_s) or self._calls.pending >= MAX_PENDING_LOOKUPS:
-                self.lookups_missed += 1  # a call has been waiting longer than this one may:
-                return 0, False           # the daemon is stalled, a miss now without a call
-            pending = self._submit(rid, request, n, num_computed_tokens, now)
-        # The first answer for these tokens (asked for when the request arrived). While no
-        # request runs the loop waits for it inline ``wait_s`` in all for a step however many
-        # requests wait (nobody else's step is delayed); while some run, ROOM_WAIT_S in all
-        # for requests vLLM's pool has room for (the step admits them: it prefills anyway),
-        # else not at all; while a call is already late, never. An answer not back is taken
-        # at the next step (vLLM's "not determined yet": this request waits one step).
-        bound = (self.wait_s if not self._busy
-                 else ROOM_WAIT_S if self._fits(request, num_computed_tokens) else 0.0)
-        wait = 0.0 if self._calls.stalled(self.wait_s) else max(0.0, bound - self._step_waited)
-        began = time.monotonic()
-        found = self._calls.wait(pending.future, max(0.0, min(wait, pending.since + self.lookup_deadline_s - now)),
-                                 None)
-        self._step_waited += time.monotonic() - began
-        if found is None:
-            if pending.future.done() or time.monotonic() - pending.since >= self.lookup_deadline_s:
-                del self._pending[rid]  # failed, or too late: a miss (a late answer is dropped)
-                self.lookups_missed += not pending.future.done()
-                pending.future.cancel()  # not sent yet: never sent (no backlog after a stall)
-                return 0, False
-            return None, False  # not determined yet: vLLM asks again at its next step
-        del self._pending[rid]
-        found = self._lookups[rid] = found.at_local(num_computed_tokens)
-        if time.monotonic() - found.at >= LOOKUP_REUSE_S:
-            # made when the request arrived, and it has queued since: served now (the request
-            # is at the queue's head), refreshed in the background for the asks to come, and
-            # its chunks below DRAM promoted while it waits for blocks
-            if not self._calls.stalled(self.lookup_deadline_s):
-                self._submit(rid, request, n, num_computed_tokens, time.monotonic())
-            self._promote_waiting(rid, found)
-        return self._external(found, num_computed_tokens)
-
-    def _fits(self, request, num_computed_tokens: int) -> bool:  # type: ignore[no-untyped-def]
-        """Whether vLLM's pool has free blocks for all of the request's tokens past
-        ``num_computed_tokens`` now (False when vLLM bound no pool)."""
-        pool = self.block_pool
-        if pool is None:
-            return False
-        try:
-            free = int(pool.get_num_free_blocks())
-        except Exception:  # noqa: BLE001 (another vLLM's pool: no waits while busy, as without one)
-            return False
-        need = -(-len(request.all_token_ids) // self.block_size) - num_computed_tokens // self.block_size
-        return free >= need
-
-    def _external(self, found: _Lookup, num_computed_tokens: int) -> tuple[int, bool]:
-        external = max(0, found.chunks * self.chunk + found.tail * self.block_size - num_computed_tokens)
-        return external, self.load_async and external > 0
-
-    def _submit(self, rid: str, request, n: int, num_computed_tokens: int, now: float) -> _Pending:  # type: ignore[no-untyped-def]
-        tokens = list(request.all_token_ids)
-        self.lookups_sent += 1
-        future = self._calls.submit(lambda: self._lookup(request, tokens, n, num_computed_tokens))
-        pending = self._pending[rid] = _Pending(future, n, num_computed_tokens, now)
-        return pending
-
-    @staticmethod
-    def _result(future: Future) -> _Lookup | None:
-        """A done lookup's answer; None if it failed."""
-        if future.cancelled() or future.exception(timeout=0) is not None:
-            return None
-        return future.result(timeout=0)
-
-    def _forget_pending(self, rid: str) -> None:
-        """Drop the request's lookup in flight, unsent if it is still queued."""
-        pending = self._pending.pop(rid, None)
-        if pending is not None:
-            pending.future.cancel()
-
-    def _lookup(self, request, tokens: list[int], n: int, num_computed_tokens: int) -> _Lookup:  # type: ignore[no-untyped-def]
-        """The daemon's answer for ``tokens[:n]`` (on the lookups' thread)."""
-        keys = self._full_keys(request, tokens[:n])
-        tiers = self.client.lookup_keys(keys, num_tokens=n, request=str(request.request_id))
-        m = len(tiers)
-        tail = 0
-        room = min(self.per_chunk - 1, (n - m * self.chunk) // self.block_size)
-        if room > 0 and m * self.chunk + room * self.block_size > num_computed_tokens:
-            sizes = list(range(room, 0, -1))
-            candidates = [self._tail_key(request, keys, tokens, m, k) for k in sizes]
-            held = self.client.probe(candidates, remote=True)  # (another machine's tail too)
-            tail = next((k for k, t in zip(sizes, held, strict=True) if t is not None), 0)
-            if tail:
-                keys = [*keys[:m], candidates[sizes.index(tail)]]
-                tiers = [*tiers, str(held[sizes.index(tail)])]
-        return _Lookup(keys[: m + (1 if tail else 0)], m, tail, num_computed_tokens, n, tiers, time.monotonic())
-
+    # -- loads ---------------------------------------------------------------------------------
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         rid = str(request.request_id)
         found = self._lookups.pop(rid, None)
@@ -655,81 +385,6 @@ class SchedulerSide:
     def phase(self, req_id: str) -> Phase | None:
         tr = self._tracked.get(req_id)
         return None if tr is None else tr.phase
-
-    # -- hints ---------------------------------------------------------------------------------
-    def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
-        """The daemon's policies hear of the waiting request (AttentionStore's look-ahead window)
-        and its chunks move SSD -> DRAM while it waits in the queue."""
-        if skipped(request):
-            return
-        rid, tokens = str(request.request_id), list(request.all_token_ids)[:-1]
-        self._hint_later(self._queued, request, rid, tokens)
-        # its lookup goes out now, for no local tokens (it serves any local hit vLLM then
-        # finds: :func:`_serves`): by the step that first asks, the answer is most often back,
-        # and no running request's step waits for it
-        n = len(tokens)
-        if n >= self.block_size and rid not in self._pending and rid not in self._lookups \
-                and not self._calls.stalled(self.lookup_deadline_s) and self._calls.pending < MAX_PENDING_LOOKUPS:
-            self._submit(rid, request, n, 0, time.monotonic())
-
-    def _promote_waiting(self, rid: str, found: _Lookup) -> None:
-        """A request vLLM asks about again waits for blocks at the head of its queue: its
-        chunks below DRAM are promoted into DRAM now, once, in the background, so the step that
-        loads it reads DRAM instead of waiting for SSD (the hint made when it arrived is
-        spent on every queued request alike, and most of what it brings up is evicted again
-        before the request is served)."""
-        first = found.local // self.chunk  # (chunks vLLM holds itself are not loaded)
-        tiers = found.tiers[first : found.chunks]  # (full chunks: a tail promotes with its load)
-        if rid in self._promoted or all(t == "host" for t in tiers):
-            return
-        if self._hint_later(self._prefetch, found.keys[first : found.chunks], first, rid):
-            self._promoted.add(rid)
-
-    def _prefetch(self, keys: list[ChunkKey], first: int, rid: str) -> None:
-        try:
-            self._hint_client.prefetch(keys, first=first, request=rid)
-        except DaemonUnavailable:
-            pass
-        except Exception:
-            log.exception("kvtier: prefetch hint failed")
-
-    def _hint_later(self, fn, *args) -> bool:  # type: ignore[no-untyped-def]
-        """Send a hint on the hints' thread; dropped (counted, False) while :data:`MAX_HINTS`
-        wait."""
-        with self._hint_lock:
-            if self._hints_waiting >= MAX_HINTS:
-                self.hints_dropped += 1
-                return False
-            self._hints_waiting += 1
-
-        def send() -> None:
-            try:
-                fn(*args)
-            finally:
-                with self._hint_lock:
-                    self._hints_waiting -= 1
-
-        self._hints.submit(send)
-        return True
-
-    def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
-        try:
-            # (no prefetch now: its chunks are promoted when it waits at the queue's head,
-            # :meth:`_promote_waiting` -- promoted now, a long queue's arrivals would evict
-            # the chunks of the requests ahead of them, which are served first)
-            self._hint_client.queued(rid, self._full_keys(request, tokens), prefetch=False)
-        except DaemonUnavailable:
-            pass
-        except Exception:  # a hint must never take the scheduler down
-            log.exception("kvtier: queued hint failed")
-
-    def _hint(self, what: str, rid: str) -> None:
-        try:
-            getattr(self._hint_client, what)(rid)
-        except DaemonUnavailable:
-            pass
-        except Exception:
-            log.exception("kvtier: %s hint failed", what)
 
     def close(self) -> None:
         self._hints.shutdown(wait=False)

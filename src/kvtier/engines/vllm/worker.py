@@ -29,6 +29,9 @@ suspect block (vLLM's prefix cache shares blocks between requests, and a step sc
 a failure was known computes over it too), until a step computes it again from its first token.
 A save whose blocks include a suspect one is never committed, on any rank: the ranks of a
 tensor-parallel group agree on every commit, since each rank's KV depends on every other's.
+
+Its loads are :mod:`.loads`, the step's saves :mod:`.saves`, and finished requests' saves
+:mod:`.finished_saves`.
 """
 
 from __future__ import annotations
@@ -37,39 +40,23 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from kvtier.core.layout import KVLayout
 from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.copies import Copier
+from kvtier.engines.vllm.finished_saves import FinishedSaves, _Finishing
+from kvtier.engines.vllm.loads import Loads
 from kvtier.engines.vllm.pages import PageAdapter
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer
+from kvtier.engines.vllm.saves import Saves
 from kvtier.server.client import ReadLease, StoreClient, WriteLease
 
 log = logging.getLogger(__name__)
 
-_LATE = object()
-"""A call the step stopped waiting for."""
-FINISH_CHUNKS_PER_ROUND = 8
-"""Chunks of a finished request reserved (and then copied) at once, inline."""
-FINISH_BYTES_PER_STEP = 64 << 20
-"""Bytes of finished requests' chunks copied inline at most once a step is done (a round
-begun is finished): a long request's save is spread over steps, not one long pause."""
 
-
-@dataclass
-class _Finishing:
-    """A finished request's save copied inline: chunks ``done...`` of ``save`` wait for the
-    slots ``future`` reserves."""
-
-    save: Transfer
-    done: int
-    future: Future
-
-
-class WorkerSide:
+class WorkerSide(Loads, Saves, FinishedSaves):
     def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
                  adapter: PageAdapter | None, agree=None, wait_s: float = 0.02,  # type: ignore[no-untyped-def]
                  load_wait_s: float = 1.0, inline: bool | None = None) -> None:
@@ -201,73 +188,6 @@ class WorkerSide:
         self._reserves_sent = True
         self._reserving = [self._send_reserve(save) for save in self._meta.saves] if self.enabled else []
 
-    def start_load_kv(self) -> None:
-        if self._loaded:
-            return
-        self._loaded = True
-        loads = [t for t in self._meta.loads if not t.background]
-        for t in self._meta.loads:
-            if t.background:  # after what the compute stream was given so far (a freed block)
-                after = self._copier.mark() if self._copier is not None else None
-                self._receiving.submit(self._load_between_steps, t, after)
-        if not loads:
-            self._send_reserves()
-            return
-        if not self.enabled:
-            for load in loads:
-                self._fail(load.lacking_ids(range(len(load.keys)), self.per_chunk))
-            self._send_reserves()
-            return
-        plan: list[tuple[Transfer, list[torch.Tensor]]] = []
-        for load in loads:
-            lease = self._acquire(load) if load.keys else None
-            views = lease.views if lease is not None else []
-            if lease is not None:
-                self._leases.append((load, lease))
-            plan.append((load, views))
-            missing = load.lacking_ids(range(len(views), len(load.keys)), self.per_chunk)
-            if missing:  # chunks the daemon could not give (lost, or the daemon died): recomputed
-                self._fail(missing)
-        self._send_reserves()  # behind the acquires, ahead of the copies and the forward pass
-        assert self._copier is not None
-        self._copier.start()
-        if self.inline:  # every layer now, before the forward pass (see ``inline``)
-            self._copy_in(plan)
-            return
-        self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
-                                             name="kvtier-vllm-load")
-        self._load_thread.start()
-
-    def _copy_in(self, plan: list[tuple[Transfer, list[torch.Tensor]]]) -> None:
-        assert self._copier is not None
-        a = self.adapter
-        copier = self._copier
-        try:
-            ids = {(n, j): copier.load_ids([load.block_ids[i] for i in load.lacking(j, self.per_chunk)])
-                   for n, (load, views) in enumerate(plan) for j in range(len(views))
-                   if load.lacking(j, self.per_chunk)}  # once a step, not once a layer
-            for layer, kv in enumerate(self.kv):
-                for n, (load, views) in enumerate(plan):
-                    for j, view in enumerate(views):
-                        idx = load.lacking(j, self.per_chunk)
-                        if not idx:
-                            continue
-                        pages = self._lacking_pages(view, layer, kv, load, j, idx)
-                        copier.load(lambda k=kv, d=ids[(n, j)], p=pages: a.scatter(k, d, copier.up(p)))
-                copier.layer_done(layer)
-        except Exception:
-            self._copy_failed = True  # every block of this step's loads is reported failed
-            log.exception("kvtier: copying cached KV into vLLM's blocks failed")
-        finally:
-            self._copier.all_done()
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._load_thread is None or self._copier is None:
-            return
-        layer = self._layer_of.get(layer_name)
-        if layer is not None:
-            self._copier.wait_layer(layer)
-
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_of.get(layer_name)
         if layer is None:
@@ -293,30 +213,6 @@ class WorkerSide:
                 dst = self._layer_pages(view, layer, kv_layer, len(save.blocks(j, self.per_chunk)))
                 self._copier.save_pages(dst, kv_layer, self.adapter, ids)
 
-    def _finish_loads(self) -> None:
-        """Join the copies, end the step's read leases; blocks copied under a lease the daemon
-        could not confirm intact (or by a copy that failed) become load errors. Idempotent."""
-        if self._load_thread is not None:
-            self._load_thread.join()
-            self._load_thread = None
-            assert self._copier is not None
-            self._copier.sync()
-        c = self.layout.chunk_tokens
-        for load, lease in self._leases:
-            took = self._took(load, len(lease.views))
-            had = sum(c - t for t in took) if not load.tail_blocks else 0
-            intact = self._release(lease, took, had, len(lease.views) if self._copy_failed else 0)
-            blocks = load.lacking_ids(range(len(lease.views)), self.per_chunk)
-            if not intact or self._copy_failed:
-                self._fail(blocks)
-            else:
-                self._suspect.difference_update(blocks)  # freshly loaded: sound again
-        self._leases = []
-
-    def _took(self, load: Transfer, chunks: int) -> list[int]:
-        """Tokens vLLM takes of each of the first ``chunks`` chunks of ``load``."""
-        return [len(load.lacking(j, self.per_chunk)) * self.block_size for j in range(chunks)]
-
     def _tail_tokens(self, t: Transfer) -> int:
         """Tokens of the transfer's last chunk when it is a partial one (0: all full)."""
         return t.tail_blocks * self.block_size
@@ -327,57 +223,6 @@ class WorkerSide:
         ``kv``'s shape."""
         n = pages * self._page_bytes
         return self.adapter.pages(view[layer * n : (layer + 1) * n], kv, pages)
-
-    def _lacking_pages(self, view: torch.Tensor, layer: int, kv: torch.Tensor, load: Transfer, j: int,
-                       idx: list[int]) -> torch.Tensor:
-        """The pages of blocks ``idx`` (``load.lacking(j)``, consecutive) in ``layer`` of
-        ``keys[j]``'s slot ``view``."""
-        first = (load.first_chunk + j) * self.per_chunk
-        pages = len(load.blocks(j, self.per_chunk))
-        return self._layer_pages(view, layer, kv, pages)[idx[0] - first : idx[-1] - first + 1]
-
-    def _fail(self, blocks: list[int]) -> None:
-        with self._done_lock:
-            self._failed.update(blocks)
-        self._suspect.update(blocks)
-
-    def _load_between_steps(self, load: Transfer, after: torch.cuda.Event | None = None) -> None:
-        """vLLM's async loading: the request waits, out of the batch, until ``get_finished``
-        reports it; blocks that did not arrive are reported as load errors first."""
-        wanted = load.lacking_ids(range(len(load.keys)), self.per_chunk)
-        good: list[int] = []
-        try:
-            lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
-                                            tail_tokens=self._tail_tokens(load)) \
-                if load.keys and self.enabled else None
-            if lease is not None:
-                assert self._copier is not None
-                copied = False
-                try:
-                    for j, view in enumerate(lease.views):
-                        idx = load.lacking(j, self.per_chunk)
-                        if idx:
-                            ids = self._copier.bg_ids([load.block_ids[i] for i in idx])
-                            for layer, kv in enumerate(self.kv):
-                                pages = self._lacking_pages(view, layer, kv, load, j, idx)
-                                self._copier.load_now(kv, self.adapter, ids, pages, after)
-                        good += [load.block_ids[i] for i in idx]
-                    self._copier.sync_now()
-                    copied = True
-                finally:
-                    took = self._took(load, len(lease.views))
-                    intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views))
-                    if not (intact and copied):
-                        good = []
-        except Exception:
-            log.exception("kvtier: loading request %s between steps failed", load.req_id)
-            good = []
-        finally:
-            bad = [blk for blk in wanted if blk not in set(good)]
-            with self._done_lock:
-                self._failed.update(bad)  # reported no later than the request itself
-                self._landed.append((good, bad))
-                self._received.add(load.req_id)
 
     def _spread(self) -> None:
         """What each request computed this step is suspect if it attended to a suspect block it
@@ -471,217 +316,6 @@ class WorkerSide:
             else:
                 self._finishing.submit(self._finish, f)
         self._advance_finishes()
-
-    # -- finished requests' saves, inline: the daemon's calls on a thread, the copies here --------
-    def _bg_reserve(self, save: Transfer, done: int) -> Future:
-        """Slots for the next round of a finished request's chunks (at most
-        :data:`FINISH_CHUNKS_PER_ROUND`: a round is copied in one step)."""
-        keys = save.keys[done : done + FINISH_CHUNKS_PER_ROUND]
-        last = done + len(keys) == len(save.keys)
-        return self._bg_calls.submit(lambda: self._bg_client.reserve(
-            keys, first=save.first_chunk + done, request=save.req_id,
-            tail_tokens=self._tail_tokens(save) if last else 0))
-
-    def _advance_finishes(self) -> None:
-        """Copy the finished requests' chunks whose slots came back (on the engine's thread,
-        after a forward pass: vLLM calls ``get_finished`` every step, empty ones included, while
-        it keeps blocks for us), at most :data:`FINISH_BYTES_PER_STEP` a call; commit them on
-        the calls' thread and reserve the next round. A request is reported done (vLLM frees
-        its blocks) once its last round is committed, or once none more can be saved (no room,
-        or the daemon is away)."""
-        if not self._saving:
-            return
-        assert self._copier is not None
-        left: list[_Finishing] = []
-        budget = FINISH_BYTES_PER_STEP
-        for f in self._saving:
-            if budget <= 0 or not f.future.done():
-                left.append(f)
-                continue
-            lease = self._bg_result(f.future)
-            if lease is None or not lease.views:
-                self._mark_done(f.save.req_id)  # no room at all now, or the daemon is away
-                continue
-            try:
-                budget -= self._copy_whole(f.save, f.done, lease, background=True)
-                self._copier.sync_saves(background=True)
-            except Exception:
-                log.exception("kvtier: saving finished request %s failed", f.save.req_id)
-                self._bg_calls.submit(lambda lease=lease: self._bg_client.abandon(lease))
-                self._mark_done(f.save.req_id)
-                continue
-            done = f.done + len(lease.views)
-            last = done >= len(f.save.keys)
-            rid = f.save.req_id
-            commit = self._bg_calls.submit(lambda lease=lease: self._bg_client.commit(lease))
-            if last:  # reported once committed: the next turn's lookup finds all of it
-                commit.add_done_callback(lambda _f, rid=rid: self._mark_done(rid))
-            else:
-                left.append(_Finishing(f.save, done, self._bg_reserve(f.save, done)))
-        self._saving = left
-
-    @staticmethod
-    def _bg_result(future: Future) -> WriteLease | None:
-        if future.cancelled() or future.exception() is not None:
-            if not future.cancelled():
-                log.warning("kvtier: reserving a finished request's chunks failed: %s", future.exception())
-            return None
-        return future.result()
-
-    def _finish(self, save: Transfer) -> None:
-        """A finished request's chunks, all layers at once, from blocks vLLM keeps for us."""
-        try:
-            self._save_rest(self._bg_client, save, 0)
-        except Exception:
-            log.exception("kvtier: saving finished request %s failed", save.req_id)
-        finally:
-            self._mark_done(save.req_id)
-
-    def _mark_done(self, req_id: str) -> None:
-        with self._done_lock:
-            self._done.add(req_id)
-
-    def _save_rest(self, client: StoreClient, save: Transfer, done: int, in_step: bool = False) -> None:
-        """Save chunks ``done...`` of ``save`` in rounds, all layers at once (chunks that found no
-        DRAM slot at the first layer, or a finished request's): while one round's chunks are
-        committed and demoted, the next round finds room. ``in_step``: inside vLLM's step, with
-        the step's bounded waits (else on a background thread, with plain calls)."""
-        assert self._copier is not None
-        while done < len(save.keys):
-            lease = self._reserve(save, done) if in_step else client.reserve(
-                save.keys[done:], first=save.first_chunk + done, request=save.req_id,
-                tail_tokens=self._tail_tokens(save))
-            if lease is None or not lease.views:
-                return  # no room at all now (everything pinned), or the daemon is away
-            self._copy_whole(save, done, lease, background=True)
-            self._copier.sync_saves(background=True)
-            if in_step:
-                self._calls.submit(lambda lease=lease: client.commit(lease))
-            else:
-                client.commit(lease)
-            done += len(lease.views)
-
-    # -- the step's daemon calls, with bounded waits ---------------------------------------------
-    def _acquire(self, load: Transfer) -> ReadLease | None:
-        """A read lease for ``load`` within ``load_wait_s``, else None (its blocks fail)."""
-        got = self._calls.call(
-            lambda: self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
-                                        tail_tokens=self._tail_tokens(load)),
-            self.load_wait_s, _LATE, late=lambda lease: self._end_late_read(lease))
-        return None if got is _LATE else got  # type: ignore[return-value]
-
-    def _end_late_read(self, lease: ReadLease | None) -> None:
-        if lease is not None:  # nothing was copied through it
-            self.client.release(lease, took=[0] * len(lease.keys))
-
-    def _release(self, lease: ReadLease, took: list[int], had: int, failed: int) -> bool:
-        """Whether the daemon confirms the lease intact within ``load_wait_s`` (else, unsure:
-        its blocks fail)."""
-        got = self._calls.call(lambda: self.client.release(lease, took=took, had=had, failed=failed),
-                               self.load_wait_s, _LATE)
-        if got is _LATE and not lease.ended:  # never sent (the daemon is stalled): it still must be
-            self._calls.submit(lambda: lease.ended or self.client.release(lease, took=[0] * len(lease.keys)))
-        return got is True
-
-    def _send_reserve(self, save: Transfer) -> Future | None:
-        """Send the reserve of a planned save now (``bind``); None, the save reported skipped,
-        while the daemon is stalled."""
-        if self._calls.stalled(self.wait_s):
-            self._skipped(save, 0)
-            return None
-        return self._calls.submit(lambda: self.client.reserve(
-            save.keys, first=save.first_chunk, request=save.req_id, tail_tokens=self._tail_tokens(save)))
-
-    def _decode_only(self) -> bool:
-        """Whether every request this step computes one token (a decode step): its forward
-        pass is short, and a save's reserve is never waited for in it."""
-        return bool(self._meta.writes) and all(w.end - w.start <= 1 for w in self._meta.writes)
-
-    def _take_reserves(self) -> list[WriteLease | None]:
-        """At the first layer: the leases back already (copied layer by layer from here on);
-        a step that prefills waits for the others ``wait_s`` in all, a decode step not at all
-        -- those not back are copied after the forward pass (:meth:`_copy_deferred`)."""
-        budget = 0.0 if self._decode_only() else self.wait_s
-        out: list[WriteLease | None] = []
-        for n, (save, future) in enumerate(zip(self._meta.saves, self._reserving, strict=True)):
-            if future is None:
-                out.append(None)
-            elif self._is_suspect(save):  # computed over blocks that never arrived
-                self._calls.when_done(future, self._abandon_late)
-                out.append(None)
-            else:
-                if budget > 0 and not future.done():
-                    began = time.monotonic()
-                    self._calls.wait(future, budget, None)  # (counted; the outcome is read below)
-                    budget = max(0.0, budget - (time.monotonic() - began))
-                if not future.done():
-                    self._deferred[n] = future  # taken once the forward pass is done
-                    out.append(None)
-                elif future.cancelled() or future.exception() is not None:
-                    self._skipped(save, 0)  # the reserve failed: planned again
-                    out.append(None)
-                else:
-                    out.append(future.result())
-        return out
-
-    def _abandon_late(self, lease: WriteLease | None) -> None:
-        if lease is not None:
-            self.client.abandon(lease)
-
-    def _copy_deferred(self, save: Transfer, future: Future, failed: bool, wait_s: float) -> WriteLease | None:
-        """A save whose reserve was not back at the first layer: every layer copied now, from
-        vLLM's blocks (the forward pass is done, they hold the chunk), once it is back -- it
-        went out before the forward pass, which has most often covered its round trip; one
-        still out is waited for at most ``wait_s`` (``_end_step``'s budget: none when the
-        daemon is stalled), then reported skipped (planned again) and its lease abandoned
-        when it comes."""
-        got = self._calls.wait(future, wait_s, _LATE, late=self._abandon_late)
-        if got is _LATE:
-            self._skipped(save, 0)
-            return None
-        lease: WriteLease | None = got  # type: ignore[assignment]
-        if lease is None:
-            return None
-        if failed or self._is_suspect(save) or self._copier is None:
-            self._calls.submit(lambda: self.client.abandon(lease))
-            return None
-        self._copy_whole(save, 0, lease)
-        return lease
-
-    def _copy_whole(self, save: Transfer, done: int, lease: WriteLease, background: bool = False) -> int:
-        """Copy chunks ``done...`` of ``save`` into ``lease``'s slots, every layer at once, from
-        vLLM's blocks (their KV is computed); the bytes copied."""
-        assert self._copier is not None
-        copied = 0
-        for j, view in enumerate(lease.views):
-            if view is None:
-                continue
-            blocks = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
-            ids = self._copier.ids(blocks)  # once a chunk, not once a layer
-            for layer, kv in enumerate(self.kv):
-                dst = self._layer_pages(view, layer, kv, len(blocks))
-                self._copier.save_pages(dst, kv, self.adapter, ids, background=background)
-                copied += dst.nbytes
-        return copied
-
-    def _skipped(self, save: Transfer, done: int) -> None:
-        """A save (from chunk ``done`` on) skipped because the daemon did not answer in time:
-        reported to the scheduler, which plans it again (:meth:`take_meta`)."""
-        first = save.first_chunk + done
-        self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
-        self.saves_skipped += 1
-
-    def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
-        """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none
-        now. A reserve the daemon did not answer in time is reported (:meth:`take_meta`)."""
-        got = self._calls.call(
-            lambda: self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id,
-                                        tail_tokens=self._tail_tokens(save)),
-            self.wait_s, _LATE, late=lambda lease: lease is not None and self.client.abandon(lease))
-        if got is _LATE:
-            self._skipped(save, done)
-            return None
-        return got  # type: ignore[return-value]
 
     def take_meta(self) -> KVTierWorkerMeta | None:
         """What to tell the scheduler after this step (saves it must plan again), once."""

@@ -1,0 +1,138 @@
+"""The worker half's saves of a step's chunks: the reserves (write leases) sent at ``bind``,
+taken at the step's first layer or, when they came back later, copied every layer at once from
+vLLM's blocks after the forward pass; chunks that found no slot saved in rounds. A save the
+daemon did not answer in time is skipped and reported to the scheduler, which plans it again."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from kvtier.engines.vllm.calls import _LATE
+from kvtier.engines.vllm.plan import Transfer
+from kvtier.server.client import StoreClient, WriteLease
+
+
+class Saves:
+    """:class:`~.worker.WorkerSide`'s saves (a mixin: its state is the worker half's, set up
+    in ``WorkerSide.__init__``)."""
+
+    def _save_rest(self, client: StoreClient, save: Transfer, done: int, in_step: bool = False) -> None:
+        """Save chunks ``done...`` of ``save`` in rounds, all layers at once (chunks that found no
+        DRAM slot at the first layer, or a finished request's): while one round's chunks are
+        committed and demoted, the next round finds room. ``in_step``: inside vLLM's step, with
+        the step's bounded waits (else on a background thread, with plain calls)."""
+        assert self._copier is not None
+        while done < len(save.keys):
+            lease = self._reserve(save, done) if in_step else client.reserve(
+                save.keys[done:], first=save.first_chunk + done, request=save.req_id,
+                tail_tokens=self._tail_tokens(save))
+            if lease is None or not lease.views:
+                return  # no room at all now (everything pinned), or the daemon is away
+            self._copy_whole(save, done, lease, background=True)
+            self._copier.sync_saves(background=True)
+            if in_step:
+                self._calls.submit(lambda lease=lease: client.commit(lease))
+            else:
+                client.commit(lease)
+            done += len(lease.views)
+
+    def _send_reserve(self, save: Transfer) -> Future | None:
+        """Send the reserve of a planned save now (``bind``); None, the save reported skipped,
+        while the daemon is stalled."""
+        if self._calls.stalled(self.wait_s):
+            self._skipped(save, 0)
+            return None
+        return self._calls.submit(lambda: self.client.reserve(
+            save.keys, first=save.first_chunk, request=save.req_id, tail_tokens=self._tail_tokens(save)))
+
+    def _decode_only(self) -> bool:
+        """Whether every request this step computes one token (a decode step): its forward
+        pass is short, and a save's reserve is never waited for in it."""
+        return bool(self._meta.writes) and all(w.end - w.start <= 1 for w in self._meta.writes)
+
+    def _take_reserves(self) -> list[WriteLease | None]:
+        """At the first layer: the leases back already (copied layer by layer from here on);
+        a step that prefills waits for the others ``wait_s`` in all, a decode step not at all
+        -- those not back are copied after the forward pass (:meth:`_copy_deferred`)."""
+        budget = 0.0 if self._decode_only() else self.wait_s
+        out: list[WriteLease | None] = []
+        for n, (save, future) in enumerate(zip(self._meta.saves, self._reserving, strict=True)):
+            if future is None:
+                out.append(None)
+            elif self._is_suspect(save):  # computed over blocks that never arrived
+                self._calls.when_done(future, self._abandon_late)
+                out.append(None)
+            else:
+                if budget > 0 and not future.done():
+                    began = time.monotonic()
+                    self._calls.wait(future, budget, None)  # (counted; the outcome is read below)
+                    budget = max(0.0, budget - (time.monotonic() - began))
+                if not future.done():
+                    self._deferred[n] = future  # taken once the forward pass is done
+                    out.append(None)
+                elif future.cancelled() or future.exception() is not None:
+                    self._skipped(save, 0)  # the reserve failed: planned again
+                    out.append(None)
+                else:
+                    out.append(future.result())
+        return out
+
+    def _abandon_late(self, lease: WriteLease | None) -> None:
+        if lease is not None:
+            self.client.abandon(lease)
+
+    def _copy_deferred(self, save: Transfer, future: Future, failed: bool, wait_s: float) -> WriteLease | None:
+        """A save whose reserve was not back at the first layer: every layer copied now, from
+        vLLM's blocks (the forward pass is done, they hold the chunk), once it is back -- it
+        went out before the forward pass, which has most often covered its round trip; one
+        still out is waited for at most ``wait_s`` (``_end_step``'s budget: none when the
+        daemon is stalled), then reported skipped (planned again) and its lease abandoned
+        when it comes."""
+        got = self._calls.wait(future, wait_s, _LATE, late=self._abandon_late)
+        if got is _LATE:
+            self._skipped(save, 0)
+            return None
+        lease: WriteLease | None = got  # type: ignore[assignment]
+        if lease is None:
+            return None
+        if failed or self._is_suspect(save) or self._copier is None:
+            self._calls.submit(lambda: self.client.abandon(lease))
+            return None
+        self._copy_whole(save, 0, lease)
+        return lease
+
+    def _copy_whole(self, save: Transfer, done: int, lease: WriteLease, background: bool = False) -> int:
+        """Copy chunks ``done...`` of ``save`` into ``lease``'s slots, every layer at once, from
+        vLLM's blocks (their KV is computed); the bytes copied."""
+        assert self._copier is not None
+        copied = 0
+        for j, view in enumerate(lease.views):
+            if view is None:
+                continue
+            blocks = [save.block_ids[i] for i in save.blocks(done + j, self.per_chunk)]
+            ids = self._copier.ids(blocks)  # once a chunk, not once a layer
+            for layer, kv in enumerate(self.kv):
+                dst = self._layer_pages(view, layer, kv, len(blocks))
+                self._copier.save_pages(dst, kv, self.adapter, ids, background=background)
+                copied += dst.nbytes
+        return copied
+
+    def _skipped(self, save: Transfer, done: int) -> None:
+        """A save (from chunk ``done`` on) skipped because the daemon did not answer in time:
+        reported to the scheduler, which plans it again (:meth:`take_meta`)."""
+        first = save.first_chunk + done
+        self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
+        self.saves_skipped += 1
+
+    def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
+        """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none
+        now. A reserve the daemon did not answer in time is reported (:meth:`take_meta`)."""
+        got = self._calls.call(
+            lambda: self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id,
+                                        tail_tokens=self._tail_tokens(save)),
+            self.wait_s, _LATE, late=lambda lease: lease is not None and self.client.abandon(lease))
+        if got is _LATE:
+            self._skipped(save, done)
+            return None
+        return got  # type: ignore[return-value]
