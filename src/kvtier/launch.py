@@ -20,7 +20,8 @@ Order and failure contract:
 
 Children run in their own sessions (a Ctrl-C at the terminal reaches only the supervisor, which
 stops them in order) and get SIGTERM if the supervisor dies without stopping them (Linux's
-parent-death signal). Their output goes to log files in the stack's work directory.
+parent-death signal). Their output goes to log files in the stack's work directory. The flags
+and connector config handed to vLLM are :mod:`kvtier.launch_args`' (re-exported here).
 """
 
 from __future__ import annotations
@@ -36,25 +37,29 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from kvtier.errors import DaemonUnavailable, KVTierError
+from kvtier.launch_args import (
+    CONNECTOR_MODULE,
+    OWNED_FLAGS,
+    PROFILE_MODULE,
+    kv_transfer_config,
+    profiled,
+    refuse_owned_flags,
+)
 from kvtier.server.client import StoreClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChildDied", "ServeStack", "StackConfig", "StartTimeout", "StoreSpec", "VLLMSpec",
-           "dying_with_parent", "kv_transfer_config", "profiled", "refuse_owned_flags"]
+__all__ = ["CONNECTOR_MODULE", "LOG_TAIL_CHARS", "OWNED_FLAGS", "PROFILE_MODULE", "ChildDied", "ServeStack",
+           "StackConfig", "StartTimeout", "StoreSpec", "VLLMSpec", "dying_with_parent", "kv_transfer_config",
+           "profiled", "refuse_owned_flags"]
 
-CONNECTOR_MODULE = "kvtier.engines.vllm"
-OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
-PROFILE_MODULE = "kvtier.bench.peers.connector_profile"
-"""The timing proxy's module, as kvtier's own Python imports it."""
-"""vLLM flags the stack sets itself; a user's copy in the passthrough flags is refused."""
 LOG_TAIL_CHARS = 3000
 
 
@@ -154,50 +159,6 @@ class StackConfig:
         if self.store is not None and self.vllm.connector is not None:
             raise ValueError("a stack with a kvtier store plugs in kvtier's connector; "
                              "VLLMSpec.connector is for a stack without one")
-
-
-def _flag_name(arg: str) -> str:
-    """``--kv_transfer_config.kv_role=x`` -> ``--kv-transfer-config`` (vLLM's parser takes
-    underscores for dashes, ``=`` values and dotted sub-keys of JSON options)."""
-    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-
-
-def refuse_owned_flags(args: Sequence[str]) -> None:
-    """ValueError if ``args`` sets a flag the stack sets itself."""
-    for arg in args:
-        name = _flag_name(arg)
-        if name == "--kv-transfer-config":
-            raise ValueError("--kv-transfer-config is set by kvtier (it wires vLLM to the kvtier "
-                             "daemon it starts); remove it from the vLLM flags")
-        if arg.startswith("--") and name in OWNED_FLAGS:
-            raise ValueError(f"{name} is set by kvtier; use kvtier serve's own option instead of "
-                             "passing it to vLLM")
-
-
-def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,
-                       load_async: bool = False) -> dict[str, object]:
-    """vLLM's ``--kv-transfer-config`` for the kvtier connector over the daemon at ``socket_path``."""
-    extra: dict[str, object] = {"socket": socket_path}
-    if chunk_tokens is not None:
-        extra["chunk_tokens"] = chunk_tokens
-    if load_async:
-        extra["load_async"] = True
-    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
-
-
-def profiled(inner: Mapping[str, object], profile_dir: str,
-             module: str = PROFILE_MODULE) -> dict[str, object]:
-    """The ``--kv-transfer-config`` that wraps the connector ``inner`` configures in the timing
-    proxy of ``module`` (:mod:`kvtier.bench.peers.connector_profile`)."""
-    out: dict[str, object] = {"kv_connector": "ProfiledConnector", "kv_connector_module_path": module,
-                              "kv_role": inner.get("kv_role", "kv_both"),
-                              "kv_connector_extra_config": {"profile_dir": profile_dir,
-                                                            "connector": dict(inner)}}
-    if "kv_load_failure_policy" in inner:
-        out["kv_load_failure_policy"] = inner["kv_load_failure_policy"]
-    return out
 
 
 def dying_with_parent(argv: list[str], sig: str = "TERM") -> list[str]:

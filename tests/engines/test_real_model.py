@@ -35,7 +35,7 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 def smollm2_home(tmp_path_factory):
     if importlib.util.find_spec(real_model.PACKAGE) is None:
         pytest.skip(f"{real_model.PACKAGE} is not installed ({real_model.INSTALL})")
-    home = tmp_path_factory.mktemp("kvtier-real-home")
+    home = tmp_path_factory.getbasetemp() / "kvtier-smollm2-home"  # shared with tests/test_quickstart.py: one build
     real_model.real_model_dir(home=home)
     return home
 

