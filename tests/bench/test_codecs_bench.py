@@ -11,8 +11,8 @@ from kvtier.bench.codecs import (
     fit_histories,
     history_stream,
     run_codec_bench,
-    target_checks,
 )
+from kvtier.bench.codecs_report import target_checks
 from kvtier.bench.ttft import TTFTBenchConfig, run_ttft_bench
 from kvtier.cli import main
 

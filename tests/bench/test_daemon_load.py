@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from kvtier.bench.daemon_clients import CONV_STRIDE, Conversations, wrong_tokens
-from kvtier.bench.daemon_load import DaemonBenchConfig, Latency
+from kvtier.bench.daemon_config import DaemonBenchConfig
+from kvtier.bench.daemon_report import Latency
 from kvtier.cli import main
 
 TINY = ["--seconds", "3", "--idle-seconds", "1", "--workers", "2", "--kill-every", "1.2",

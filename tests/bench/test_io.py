@@ -8,7 +8,8 @@ import os
 import pytest
 
 from kvtier.bench import io
-from kvtier.bench.io import BenchError, IOBenchConfig, IOBenchResult, filesystem_type, run_io_bench
+from kvtier.bench.io import IOBenchConfig, IOBenchResult, filesystem_type, run_io_bench
+from kvtier.bench.io_workloads import BenchError
 from kvtier.tiers.disk import DiskTier
 
 FIGURES = ("read_GBps", "write_GBps", "baseline_read_GBps", "baseline_write_GBps")

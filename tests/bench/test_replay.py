@@ -6,7 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.replay import ReplayConfig, replay, sweep
+from kvtier.bench.replay import replay, sweep
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.trace import TraceError, load_trace, parse_trace
 from kvtier.bench.workload import WorkloadConfig, generate
 from kvtier.cli import main

@@ -6,7 +6,8 @@ import io
 
 import pytest
 
-from kvtier.bench.replay import ReplayConfig, replay
+from kvtier.bench.replay import replay
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.trace import BlockIds, parse_trace, write_request
 from kvtier.bench.workload import WorkloadConfig, generate
 

@@ -9,7 +9,9 @@ import json
 import pytest
 
 from kvtier.bench.chat_client import TurnRecord
-from kvtier.bench.serve import ServeBenchConfig, build_workload, run_serve_bench, summarize
+from kvtier.bench.serve import run_serve_bench, summarize
+from kvtier.bench.serve_config import ServeBenchConfig
+from kvtier.bench.serve_workload import build_workload
 from kvtier.bench.sharegpt import iter_conversations, multi_turn
 
 
@@ -118,7 +120,7 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     quiet = prof.get("decode, nothing moved")
     if quiet is not None:  # a decode step with nothing to load or save: the loop waits in it at
         # most ROOM_WAIT_S, and only for an arrival vLLM's pool had room for whose answer was late
-        from kvtier.engines.vllm.scheduler import ROOM_WAIT_S
+        from kvtier.engines.vllm.lookups import ROOM_WAIT_S
 
         assert quiet["bytes_copied"] == 0 and quiet["steps"] <= prof["decode"]["steps"]
         assert quiet["loop_wait_ms"] <= 1e3 * ROOM_WAIT_S
@@ -147,7 +149,7 @@ def test_a_fleet_routes_each_turn_by_its_rule_and_refuses_what_it_cannot_serve(m
 
     from kvtier.bench import chat_client
     from kvtier.bench.chat_client import PlannedTurn, run_conversations
-    from kvtier.bench.serve_fleet import cpu_binds, route_of
+    from kvtier.bench.serve_routes import cpu_binds, route_of
     from kvtier.cli import main
 
     sent: list[tuple[int, str]] = []

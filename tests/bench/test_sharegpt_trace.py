@@ -15,7 +15,8 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
-from kvtier.bench.replay import ReplayConfig, replay
+from kvtier.bench.replay import replay
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.sharegpt_trace import (
     ShareGPTTraceConfig,
     approximate_tokens,

@@ -32,37 +32,32 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from kvtier.bench.codecs_report import CodecBenchResult, CodecRow
+from kvtier.bench.codecs_roundtrip import (
+    Layers,
+    _rate,
+    pack_chunks,
+    roundtrip,
+    ssd_read_rates,
+    unpack_chunks,
+)
 from kvtier.bench.sharegpt import iter_conversations
-from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.core.layout import KVLayout
 from kvtier.demo import resolve_model
 from kvtier.engines.hf import chat_prompt_ids, kv_layout_for
-from kvtier.store.packing import chunk_view, pack_chunk
 from kvtier.tiers.codecs import CODECS, KVFormat, check_codec
-from kvtier.tiers.coded import decode_range, encode_entry
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
 
-__all__ = ["CodecBenchConfig", "CodecBenchResult", "CodecRow", "run_codec_bench", "target_checks"]
+__all__ = ["CodecBenchConfig", "run_codec_bench"]
 
 DEFAULT_MODEL = "smollm2"
-TARGETS = {"int8": {"bytes_ratio": 0.53, "top1": 0.99, "kl": 0.005}, "int4": {"bytes_ratio": 0.29, "top1": 0.95}}
-"""The issue's quality and size targets per codec (ratio and KL at most, top-1 at least)."""
-DECODE_OVER_SSD = 2.0
-"""Decoding should be at least this many times faster than the SSD tier reads raw KV."""
-
-Layers = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer (K, V), each ``[kv_heads, tokens, head_dim]``."""
 
 
 @dataclass(frozen=True)
@@ -91,58 +86,6 @@ class CodecBenchConfig:
             raise ValueError("name at least one codec")
         for c in self.codecs:
             check_codec(c, "bench codecs")
-
-
-@dataclass(frozen=True, slots=True)
-class CodecRow:
-    codec: str
-    history_tokens: int
-    history_requested: int
-    coded_tokens: int
-    """History tokens that went through the codec (whole chunks)."""
-    tokens_scored: int
-    top1: float
-    """Share of scored positions whose argmax matches the exact KV's."""
-    kl: float
-    """Mean KL(exact || codec) of the next-token distributions, nats."""
-    kl_max: float
-    ppl_exact: float
-    ppl_codec: float
-    ppl_ratio: float
-    bytes_per_token: float
-    """Bytes the tier stores per history token (all layers)."""
-    bytes_ratio: float
-    """Stored bytes over the same KV in bfloat16."""
-    raw_chunks: int
-    """Chunks the codec refused (stored raw)."""
-    encode_GBps: float | None
-    decode_GBps: float | None
-    ssd_GBps: float | None
-    """Raw KV bytes a second read back from an SSD tier with this codec (decode included)."""
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class CodecBenchResult:
-    rows: list[CodecRow]
-    model: str
-    kv_dtype: str
-    conversations: int
-    """ShareGPT conversations the text stream took."""
-    threads: int
-    ssd_directory: str | None
-    ssd_direct_io: bool | None
-    wall_s: float
-    stages_s: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class TargetCheck:
-    what: str
-    met: bool
-    detail: str
 
 
 # -- text -------------------------------------------------------------------------------------
@@ -221,106 +164,6 @@ def compare(exact: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> _A
     nll_q = -lq.gather(1, targets[:, None]).mean()
     return _Agreement(float(same), float(kl.mean()), float(kl.max()), math.exp(float(nll_p)),
                       math.exp(float(nll_q)))
-
-
-# -- the codec, the way the store stores chunks -----------------------------------------------
-def pack_chunks(kv: Layers, layout: KVLayout, count: int) -> list[torch.Tensor]:
-    """The layer-major bytes of the first ``count`` chunks of ``kv``."""
-    out = []
-    for i in range(count):
-        buf = torch.empty(layout.chunk_bytes, dtype=torch.uint8)
-        pack_chunk(buf, kv, i, layout)
-        out.append(buf)
-    return out
-
-
-@dataclass(slots=True)
-class _Coded:
-    chunks: list[torch.Tensor]
-    """Each chunk's raw bytes after encode and decode."""
-    stored: list[int]
-    """Bytes the tier stores per chunk."""
-    refused: list[bool]
-    """Per chunk: the codec refused it (stored raw)."""
-    encode_s: list[list[float]]
-    """Per timing run, per chunk."""
-    decode_s: list[list[float]]
-
-
-def roundtrip(codec: str, chunks: list[torch.Tensor], layout: KVLayout, fmt: KVFormat | None,
-              runs: int) -> _Coded:
-    """Every chunk through ``codec`` and back, each encode and decode timed ``runs`` times."""
-    coded = _Coded([], [], [], [], [])
-    for run in range(runs):
-        enc_t, dec_t = [], []
-        for i, raw in enumerate(chunks):
-            t0 = time.perf_counter()
-            framed = None if codec == "none" else encode_entry(codec, raw, layout.layer_bytes, fmt)
-            t1 = time.perf_counter()
-            if framed is None:
-                back = raw.clone()
-                t2 = t1
-            else:
-                frames, coding = framed
-                back = decode_range(coding, frames, 0, 0, coding.raw_nbytes, None)
-                t2 = time.perf_counter()
-            enc_t.append(t1 - t0)
-            dec_t.append(t2 - t1)
-            if run == 0:
-                coded.chunks.append(back)
-                coded.stored.append(raw.numel() if framed is None else framed[0].numel())
-                coded.refused.append(framed is None and codec != "none")
-        coded.encode_s.append(enc_t)
-        coded.decode_s.append(dec_t)
-    return coded
-
-
-def unpack_chunks(chunks: list[torch.Tensor], exact: Layers, layout: KVLayout) -> Layers:
-    """``exact`` with its first ``len(chunks)`` chunks' tokens replaced by the chunks' KV."""
-    view = torch.stack([chunk_view(c, layout) for c in chunks])  # [n, layers, kv, heads, C, d]
-    n = len(chunks) * layout.chunk_tokens
-    out: Layers = []
-    for layer, (k, v) in enumerate(exact):
-        halves = []
-        for j, t in enumerate((k, v)):
-            coded = view[:, layer, j].permute(1, 0, 2, 3).reshape(t.shape[0], n, t.shape[2])
-            halves.append(torch.cat([coded, t[:, n:]], dim=1))
-        out.append((halves[0], halves[1]))
-    return out
-
-
-def _rate(nbytes: int, per_run: list[list[float]], count: int) -> float | None:
-    seconds = statistics.median(sum(run[:count]) for run in per_run)
-    return nbytes / seconds / 1e9 if seconds > 0 else None
-
-
-def ssd_read_rates(codec: str, chunks: list[torch.Tensor], counts: Sequence[int], layout: KVLayout,
-                   fmt: KVFormat | None, root: str, runs: int) -> tuple[dict[int, float], bool]:
-    """Raw GB/s of reading the first ``count`` of ``chunks`` back from a DiskTier with
-    ``codec`` (median of ``runs``), per count; and whether the tier used O_DIRECT."""
-    path = os.path.join(root, codec)
-    capacity = len(chunks) * (layout.chunk_bytes + (1 << 20)) + (64 << 20)
-    tier = DiskTier(DiskTierConfig(path, capacity, codec=codec))
-    try:
-        keys = [ChunkKey(i.to_bytes(KEY_BYTES, "big")) for i in range(1, len(chunks) + 1)]
-        for i, (key, raw) in enumerate(zip(keys, chunks)):
-            if not tier.put(key, raw, layout.layer_bytes, position=i, fmt=fmt):
-                raise RuntimeError(f"the SSD tier refused chunk {i} of the history")
-        os.sync()
-        times: list[list[float]] = []
-        for _ in range(runs):
-            per = []
-            for key in keys:
-                t0 = time.perf_counter()
-                if tier.get(key) is None:
-                    raise RuntimeError("the SSD tier missed a chunk it had just stored")
-                per.append(time.perf_counter() - t0)
-            times.append(per)
-        rates = {n: _rate(n * layout.chunk_bytes, times, n) or math.inf for n in counts}
-        return rates, tier.direct_io
-    finally:
-        tier.close()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -405,41 +248,3 @@ def run_codec_bench(config: CodecBenchConfig, progress: Callable[[str], None] | 
     return CodecBenchResult(rows=rows, model=config.model, kv_dtype=layout.dtype, conversations=conversations,
                             threads=torch.get_num_threads(), ssd_directory=config.directory or tempfile.gettempdir(),
                             ssd_direct_io=direct, wall_s=time.perf_counter() - start, stages_s=stages)
-
-
-def pooled(rows: Sequence[CodecRow], codec: str, key: str) -> float:
-    """``key`` (``top1`` or ``kl``) over every scored position of ``codec``'s rows."""
-    mine = [r for r in rows if r.codec == codec]
-    return sum(getattr(r, key) * r.tokens_scored for r in mine) / sum(r.tokens_scored for r in mine)
-
-
-def target_checks(rows: Sequence[CodecRow]) -> list[TargetCheck]:
-    """The issue's targets. Sizes hold at every history length; top-1 and KL are judged over
-    all scored positions together (one history's 64 positions resolve top-1 only to 1/64: a
-    single near-tie flipped is 0.984), the worst history shown beside."""
-    checks: list[TargetCheck] = []
-    for codec, limits in TARGETS.items():
-        mine = [r for r in rows if r.codec == codec]
-        if not mine:
-            continue
-        for key, bound in limits.items():
-            values = [getattr(r, key) for r in mine]
-            worst = min(values) if key == "top1" else max(values)
-            if key == "bytes_ratio":
-                checks.append(TargetCheck(f"{codec} bytes_ratio <= {bound}", worst <= bound, f"worst {worst:.4f}"))
-                continue
-            value = pooled(rows, codec, key)
-            met = value >= bound if key == "top1" else value <= bound
-            sign = ">=" if key == "top1" else "<="
-            n = sum(r.tokens_scored for r in mine)
-            checks.append(TargetCheck(f"{codec} {key} {sign} {bound}", met,
-                                      f"{value:.4g} over {n} positions; worst history {worst:.4g}"))
-    ssd = {r.history_tokens: r.ssd_GBps for r in rows if r.codec == "none" and r.ssd_GBps}
-    for codec in [c for c in dict.fromkeys(r.codec for r in rows) if c != "none"]:
-        pairs = [(r.decode_GBps, ssd[r.history_tokens]) for r in rows
-                 if r.codec == codec and r.decode_GBps and r.history_tokens in ssd]
-        if pairs:
-            worst = min(d / s for d, s in pairs)
-            checks.append(TargetCheck(f"{codec} decode >= {DECODE_OVER_SSD:g}x SSD raw read",
-                                      worst >= DECODE_OVER_SSD, f"worst {worst:.2f}x"))
-    return checks

@@ -31,7 +31,7 @@ COUNTERS = ("ready", "steps", "lookups", "hit_tokens", "loads", "verified_tokens
 _C = {name: i for i, name in enumerate(COUNTERS)}
 
 if TYPE_CHECKING:
-    from kvtier.bench.daemon_load import DaemonBenchConfig
+    from kvtier.bench.daemon_config import DaemonBenchConfig
 
 
 # -- deterministic content ------------------------------------------------------------------------

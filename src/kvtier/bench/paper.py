@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.bench.replay import ReplayConfig, ReplayResult, replay, replay_served
+from kvtier.bench.replay import ReplayResult, replay, replay_served
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.sharegpt_trace import PACE_SHAPE, PACE_SIGMA
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
 from kvtier.core.cost_model import ComputeModel

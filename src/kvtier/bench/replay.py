@@ -43,89 +43,18 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvtier.bench.replay_config import ReplayConfig  # re-export (importers outside bench/ and cli/)
+from kvtier.bench.replay_queue import _next_in_session, _Queue
 from kvtier.bench.simstore import SimConfig, SimStore
-from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Request, Trace
-from kvtier.core.cost_model import ComputeModel
-from kvtier.core.layout import KVLayout
+from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace
 from kvtier.core.policies.base import TierContext
-from kvtier.core.policy import LIVE_POLICIES, POLICIES
+from kvtier.core.policy import LIVE_POLICIES
 
-LLAMA3_8B_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                            chunk_tokens=MOONCAKE_BLOCK_TOKENS)
 SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """One replay: a policy, tier capacities in blocks, the hardware and the model."""
-
-    policy: str = "lru"
-    dram_blocks: int = 4096
-    ssd_blocks: int = 0
-    """0: no SSD tier."""
-    layout: KVLayout = LLAMA3_8B_LAYOUT
-    dram_read_GBps: float = 20.0
-    ssd_read_GBps: float = 5.0
-    compute: ComputeModel = field(default_factory=ComputeModel)
-    instances: int = 4
-    ssd_codec: str = "none"
-    """The SSD tier's codec (a label: its figures are the two below)."""
-    ssd_codec_ratio: float = 1.0
-    """Stored bytes over raw bytes of a block with that codec: the SSD holds ``ssd_blocks /
-    ratio`` blocks (``ssd_blocks`` counts raw blocks' worth of bytes)."""
-    ssd_decode_GBps: float = math.inf
-    """Raw GB/s the codec decodes at: an SSD hit reads ``ratio`` of the bytes, then decodes."""
-    layerwise: bool = False
-    """Layer-wise loading (kvtier's and AttentionStore's): layer ``l+1``'s chunks load while
-    layer ``l`` computes, so a request takes ``max(compute, load) + min(compute, load) /
-    layers`` instead of their sum."""
-    closed_loop: bool = False
-    """On a trace that names sessions: a session's next turn arrives its ``think_s`` after the
-    previous turn's reply is done (prefill, then decode), not at its own ``arrival_s``: behind
-    a queue, a conversation then comes back later, as a user waits for each reply."""
-    decode_s_per_token: float = 0.0
-    """Server seconds each reply token takes (the decode steps' share of the server, which also
-    decodes): a request holds its instance for its prefill plus ``output_length`` times this,
-    and its reply is done at the end."""
-    save_replies: bool = True
-    """On a trace that names sessions: after a turn, also save the blocks its reply completes
-    (named by the session's next prompt), as a store behind an engine that saves generated
-    tokens does (kvtier's connector, AttentionStore). Without session ids only prompts are saved."""
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; known policies: {list(POLICIES)}")
-        if self.layout.chunk_tokens != MOONCAKE_BLOCK_TOKENS:
-            raise ValueError(f"layout.chunk_tokens must be {MOONCAKE_BLOCK_TOKENS} (Mooncake blocks)")
-        if not isinstance(self.instances, int) or self.instances <= 0:
-            raise ValueError(f"instances must be a positive int, got {self.instances!r}")
-        for name in ("dram_read_GBps", "ssd_read_GBps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if not 0 < self.ssd_codec_ratio <= 1 or (self.ssd_codec == "none") != (self.ssd_codec_ratio == 1):
-            raise ValueError(f"ssd_codec_ratio must be in (0, 1], and 1 exactly without a codec; "
-                             f"got {self.ssd_codec_ratio!r} for codec {self.ssd_codec!r}")
-        if not self.decode_s_per_token >= 0:
-            raise ValueError(f"decode_s_per_token must be >= 0, got {self.decode_s_per_token!r}")
-        if not self.ssd_decode_GBps > 0:
-            raise ValueError(f"ssd_decode_GBps must be positive, got {self.ssd_decode_GBps!r}")
-        SimConfig(self.policy, self.dram_blocks, self.ssd_blocks)  # validates capacities
-
-    @property
-    def ssd_blocks_held(self) -> int:
-        """Blocks the SSD holds: its bytes over a block's stored size."""
-        return int(self.ssd_blocks / self.ssd_codec_ratio + 1e-9)
-
-    def load_s(self, level: int) -> float:
-        if level == 0:
-            return self.layout.chunk_bytes / (self.dram_read_GBps * 1e9)
-        raw = self.layout.chunk_bytes
-        return raw * self.ssd_codec_ratio / (self.ssd_read_GBps * 1e9) + raw / (self.ssd_decode_GBps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -342,92 +271,6 @@ def _replay(trace: Trace, config: ReplayConfig) -> tuple[ReplayResult, _Queue]:
         prefill_saved_if_in_dram=1.0 - in_dram_s / base_s if base_s else 0.0,
         prefill_saved_if_staged=1.0 - staged_s / base_s if base_s else 0.0,
     ), queue
-
-
-class _Queue:
-    """The requests in service order (first come, first served), as they arrive.
-
-    Open loop: the trace's own order and arrival times. Closed loop: a session's first turn
-    arrives at its ``arrival_s``, each later one its ``think_s`` (without one: the gap between
-    the two turns' ``arrival_s``) after the previous turn's reply is done (:meth:`reply_done`),
-    so requests get their numbers as they arrive.
-    """
-
-    def __init__(self, requests: list[Request], closed: bool) -> None:
-        self._closed = closed
-        if not closed:
-            self._order = list(range(len(requests)))
-            self._arrival = [r.arrival_s for r in requests]
-            return
-        for req in requests:
-            if req.session_id is None:
-                raise ValueError("a closed-loop replay needs a trace that names sessions")
-        self._think: list[float] = [0.0] * len(requests)
-        last: dict[object, float] = {}
-        self._pending: list[tuple[float, int]] = []
-        for i, req in enumerate(requests):
-            if req.session_id not in last:
-                self._pending.append((req.arrival_s, i))
-            else:  # without a think time of its own: the trace's gap between the two turns
-                self._think[i] = req.think_s if req.think_s is not None else \
-                    max(0.0, req.arrival_s - last[req.session_id])
-            last[req.session_id] = req.arrival_s
-        heapq.heapify(self._pending)
-        self._order = []
-        self._arrival = []
-
-    def __len__(self) -> int:
-        """Requests arrived (numbered) so far."""
-        return len(self._order)
-
-    def index(self, seq: int) -> int:
-        return self._order[seq]
-
-    def arrival(self, seq: int) -> float:
-        return self._arrival[seq]
-
-    def _arrive(self) -> None:
-        at, index = heapq.heappop(self._pending)
-        self._order.append(index)
-        self._arrival.append(at)
-
-    def serve(self, seq: int) -> tuple[int, float]:
-        """(trace index, arrival) of request number ``seq``, the next to be served."""
-        while len(self._order) <= seq:
-            if not self._closed or not self._pending:
-                raise ValueError("a closed loop ran out of requests: a session's later turn never arrived")
-            self._arrive()
-        return self._order[seq], self._arrival[seq]
-
-    def arrive_by(self, now: float) -> None:
-        """Number every request that has arrived by ``now``."""
-        if self._closed:
-            while self._pending and self._pending[0][0] <= now:
-                self._arrive()
-
-    def reply_done(self, index: int, at: float) -> None:
-        """Request ``index``'s previous turn has its reply at ``at``: closed loop, it arrives
-        after its think time."""
-        if self._closed:
-            heapq.heappush(self._pending, (at + self._think[index], index))
-
-    def served(self) -> list[tuple[int, float]]:
-        return list(zip(self._order, self._arrival, strict=True))
-
-
-def _next_in_session(requests: list) -> list[int | None]:
-    """For each request, the number of its session's next request (None: the last, or a trace
-    without session ids)."""
-    following: list[int | None] = [None] * len(requests)
-    last: dict[object, int] = {}
-    for seq, req in enumerate(requests):
-        sid = req.session_id
-        if sid is None:
-            continue
-        if sid in last:
-            following[last[sid]] = seq
-        last[sid] = seq
-    return following
 
 
 def sweep(trace: Trace, base: ReplayConfig, policies: list[str],

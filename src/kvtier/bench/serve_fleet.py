@@ -3,18 +3,19 @@ router of the benchmark's own.
 
 Each instance is its own OpenAI server process with the same flags, KV pool and
 ``VLLM_CPU_KVCACHE_SPACE`` a single instance gets, and its own share of the cores
-(:func:`cpu_binds`: the cores of ``cpu_bind`` split evenly, in order, the same in every
-configuration; on two cores with two instances, instance i runs on core i). For ``kvtier`` each
-instance has a store daemon of its own -- its own machine: the DRAM and SSD budgets one
-instance gets -- and every daemon shares one remote tier, a Valkey server this module starts on
-127.0.0.1 and stops at the end (write-through: a chunk one daemon saves is uploaded at once,
-and another daemon's lookup that misses locally finds it there). ``vllm`` gets the same routing
-over N plain servers.
+(:func:`~kvtier.bench.serve_routes.cpu_binds`: the cores of ``cpu_bind`` split evenly, in
+order, the same in every configuration; on two cores with two instances, instance i runs on
+core i). For ``kvtier`` each instance has a store daemon of its own -- its own machine: the DRAM
+and SSD budgets one instance gets -- and every daemon shares one remote tier, a Valkey server
+this module starts on 127.0.0.1 and stops at the end (write-through: a chunk one daemon saves is
+uploaded at once, and another daemon's lookup that misses locally finds it there). ``vllm`` gets
+the same routing over N plain servers.
 
 The router lives in the chat client (:func:`kvtier.bench.chat_client.run_conversations`): each
-turn's request goes to ``ROUTES[route](conversation, turn, N)``. ``sticky`` keeps a
-conversation on one instance (``c % N``); ``round-robin`` moves every turn to the next one
-(``(c + t) % N``), so each later turn lands where its history was never computed.
+turn's request goes to ``ROUTES[route](conversation, turn, N)``
+(:mod:`kvtier.bench.serve_routes`). ``sticky`` keeps a conversation on one instance (``c % N``);
+``round-robin`` moves every turn to the next one (``(c + t) % N``), so each later turn lands
+where its history was never computed.
 
 Order: Valkey, then each instance's daemon and vLLM; everything is stopped in reverse, also on
 failure. Figures of a fleet's run: the daemons' counters and vLLM's preemptions are summed over
@@ -35,61 +36,26 @@ from typing import TYPE_CHECKING
 
 from kvtier.bench.chat_client import run_conversations, warm_up
 from kvtier.bench.serve_report import Run
+from kvtier.bench.serve_routes import cpu_binds, route_of
+from kvtier.bench.serve_stacks import (
+    _POOL_LOG,
+    SERVED_NAME,
+    RequestFailed,
+    _kvtier_delta,
+    budgets,
+    preemptions,
+    stack_config,
+)
 from kvtier.bench.servers import ServerError, ServerProcess, ValkeyServer
 from kvtier.errors import DaemonUnavailable
 from kvtier.launch import LOG_TAIL_CHARS, ChildDied, ServeStack, StackConfig, kv_transfer_config
 from kvtier.server.client import StoreClient
 
 if TYPE_CHECKING:
-    from kvtier.bench.serve import ServeBenchConfig, Workload
+    from kvtier.bench.serve_config import ServeBenchConfig
+    from kvtier.bench.serve_workload import Workload
 
-__all__ = ["ROUTES", "FleetDaemon", "cpu_binds", "route_of", "run_fleet"]
-
-
-def _sticky(conversation: int, _turn: int, n: int) -> int:
-    return conversation % n
-
-
-def _round_robin(conversation: int, turn: int, n: int) -> int:
-    return (conversation + turn) % n
-
-
-ROUTES: dict[str, Callable[[int, int, int], int]] = {"sticky": _sticky, "round-robin": _round_robin}
-"""Route name -> (conversation, turn, instances) -> the instance that turn goes to."""
-
-
-def route_of(route: str, instances: int) -> Callable[[int, int], int]:
-    """The chat client's router for ``instances`` servers (ValueError for an unknown route)."""
-    if route not in ROUTES:
-        raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
-    pick = ROUTES[route]
-    return lambda conversation, turn: pick(conversation, turn, instances)
-
-
-def _cores(spec: str) -> list[int]:
-    """``"0-1"``, ``"0,2-3"`` -> the core ids, in order (ValueError if malformed or repeated)."""
-    cores: list[int] = []
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cores += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise ValueError(f"cpu_bind must be a core list like '0-1' or '0,2-3', got {spec!r}") from None
-    if not cores or len(set(cores)) != len(cores):
-        raise ValueError(f"cpu_bind must name distinct cores, got {spec!r}")
-    return cores
-
-
-def cpu_binds(spec: str, instances: int) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` of each instance: the cores of ``spec`` split into
-    ``instances`` equal runs, in order (cores left over by an uneven split go unused, so that
-    every instance gets as many). ValueError if there are fewer cores than instances."""
-    cores = _cores(spec)
-    if len(cores) < instances:
-        raise ValueError(f"--instances {instances} needs at least as many cores in --cpu-bind, "
-                         f"got {spec!r} ({len(cores)})")
-    k = len(cores) // instances
-    return [",".join(map(str, cores[i * k:(i + 1) * k])) for i in range(instances)]
+__all__ = ["FleetDaemon", "run_fleet"]
 
 
 def _store_toml(path: Path, socket: str, dram: int, ssd_path: Path, ssd: int, policy: str | None,
@@ -166,8 +132,6 @@ class FleetDaemon:
 
 def _delta(before: list[dict], after: list[dict]) -> dict[str, int]:  # type: ignore[type-arg]
     """The daemons' counters over the run, summed (tiers' hits and tokens taken, uploads)."""
-    from kvtier.bench.serve import _kvtier_delta
-
     out: dict[str, int] = {}
     for b, a in zip(before, after, strict=True):
         for key, value in _kvtier_delta(b, a).items():
@@ -183,8 +147,6 @@ def _fleet(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload,
            profile_dir: Path | None) -> Iterator[tuple[list[ServeStack], list[FleetDaemon]]]:
     """Start the fleet (Valkey and the daemons for ``kvtier``), yield its stacks and daemons,
     stop it all on leaving."""
-    from kvtier.bench.serve import budgets, stack_config
-
     binds = cpu_binds(config.cpu_bind, config.instances)
     dram, ssd = budgets(config, work)
     stacks: list[ServeStack] = []
@@ -227,8 +189,6 @@ def _fleet(name: str, config: ServeBenchConfig, model_dir: Path, work: Workload,
 def run_fleet(name: str, repeat: int, config: ServeBenchConfig, model_dir: Path, work: Workload,
               tmp: Path, profile_dir: Path | None, progress: Callable[[str], None]) -> Run:
     """One run of configuration ``name`` over ``config.instances`` instances."""
-    from kvtier.bench.serve import _POOL_LOG, SERVED_NAME, RequestFailed, preemptions
-
     n = config.instances
     progress(f"{name} (run {repeat + 1} of {config.repeats}): starting {n} vLLM instances"
              f"{', their kvtier daemons and the shared Valkey' if name == 'kvtier' else ''}")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import TypeVar
 
 import click
+from rich.console import Console
 
 from kvtier.core.sizes import parse_size
+
+T = TypeVar("T")
 
 
 class MiBList(click.ParamType):
@@ -52,3 +57,12 @@ class ByteSize(click.ParamType):
             return parse_size(value)
         except ValueError:
             self.fail(f"{value!r} is not a size like 64GiB, 500GB or 1048576", param, ctx)
+
+
+def _run_with_status(run: Callable[..., T], config: object, what: str, *, quiet: bool) -> T:
+    """``run(config)``; unless ``quiet`` (JSON on stdout), with a spinner on stderr naming
+    ``what`` and then each step ``run`` reports through its ``progress``."""
+    if quiet:
+        return run(config)
+    with Console(stderr=True).status(f"{what}...") as status:
+        return run(config, progress=lambda msg: status.update(f"{msg}..."))

@@ -133,9 +133,10 @@ def replay_cmd(trace: str, more_policies: tuple[str, ...], policies: tuple[str, 
     names = names or ["lru"]
     ssd_gbps = 5.0 if ssd_gbps is None else ssd_gbps
     dram_gbps = 20.0 if dram_gbps is None else dram_gbps
-    from kvtier.bench.replay import ReplayConfig, replay
     from kvtier.bench.replay import plot as plot_replay
+    from kvtier.bench.replay import replay
     from kvtier.bench.replay import sweep as sweep_replay
+    from kvtier.bench.replay_config import ReplayConfig
     from kvtier.bench.trace import TraceError, load_trace
     from kvtier.core.cost_model import ComputeModel
     from kvtier.core.layout import KVLayout
