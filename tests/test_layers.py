@@ -1,33 +1,90 @@
-"""Imports point one way (core <- tiers <- store <- engines <- server/cli): checked on the
-source, so that a shortcut across layers fails here rather than in a review."""
+"""The house rules, checked on the source so that a shortcut fails here rather than in a review.
+
+Imports point one way: core <- tiers <- store <- server and engines <- bench <- cli. No import
+cycle of any kind (typing-only and function-local imports count). No module past 400 lines. A
+daemon's client depends on the arena, the protocol and the result types, not on a tier."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
+from functools import cache
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src" / "kvtier"
+MAX_LINES = 400
+ROOT_MODULES = {"__init__", "demo", "errors", "launch", "launch_args", "model_id", "typed", "vector"}
+"""What stays at the package root: what users import, and the commands' own entry points."""
 
 
-def imports_of(path: Path) -> set[str]:
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+@cache
+def imports_of(path: Path) -> frozenset[str]:
+    """Every module the file names in an import, wherever the import stands."""
     tree = ast.parse(path.read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module_name(path).split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in all_modules())
+    return frozenset(names)
+
+
+def kvtier_imports(name: str) -> set[str]:
+    return {m for m in imports_of(all_modules()[name]) if m in all_modules() and m != name}
 
 
 def modules(package: str) -> list[Path]:
     return sorted((SRC / package).rglob("*.py"))
 
 
-def test_nothing_in_server_imports_an_engine():
-    for path in modules("server"):
-        bad = {m for m in imports_of(path) if m.startswith("kvtier.engines") or m == "transformers"}
-        assert not bad, f"{path.name} imports {bad}"
+def assert_imports_none_of(package: str, banned: tuple[str, ...], *, torch: bool = False) -> None:
+    for path in modules(package):
+        bad = {m for m in imports_of(path) if m.startswith(banned) or (torch and m.split(".")[0] == "torch")}
+        assert not bad, f"{package}/{path.relative_to(SRC / package)} imports {sorted(bad)}"
+
+
+def test_core_imports_no_torch_and_nothing_above_it():
+    assert_imports_none_of("core", ("kvtier.tiers", "kvtier.store", "kvtier.server", "kvtier.engines",
+                                    "kvtier.bench", "kvtier.cli"), torch=True)
+
+
+def test_tiers_import_nothing_above_them():
+    assert_imports_none_of("tiers", ("kvtier.store", "kvtier.server", "kvtier.engines", "kvtier.bench", "kvtier.cli"))
+
+
+def test_the_store_imports_no_daemon_engine_benchmark_or_command():
+    assert_imports_none_of("store", ("kvtier.server", "kvtier.engines", "kvtier.bench", "kvtier.cli"))
+
+
+def test_the_daemon_imports_no_engine_and_no_transformers():
+    assert_imports_none_of("server", ("kvtier.engines", "kvtier.bench", "kvtier.cli", "transformers", "vllm"))
+
+
+def test_engines_import_no_benchmark_or_command():
+    assert_imports_none_of("engines", ("kvtier.bench", "kvtier.cli"))
+
+
+def test_benchmarks_import_no_command():
+    assert_imports_none_of("bench", ("kvtier.cli",))
 
 
 def test_the_daemon_and_its_metrics_do_not_import_each_other():
@@ -35,16 +92,44 @@ def test_the_daemon_and_its_metrics_do_not_import_each_other():
     assert not {m for m in imports_of(SRC / "server" / "metrics.py") if m.startswith("kvtier.server.daemon")}
 
 
-def test_core_imports_no_torch_no_tier_and_no_store():
-    for path in modules("core"):
-        bad = {m for m in imports_of(path)
-               if m == "torch" or m.startswith(("kvtier.tiers", "kvtier.store", "kvtier.store.cache", "kvtier.server",
-                                                "kvtier.engines"))}
-        assert not bad, f"core/{path.name} imports {bad}"
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        return list(exc.args[1])
+    return None
 
 
-def test_tiers_import_no_store_engine_or_server():
-    for path in modules("tiers"):
-        bad = {m for m in imports_of(path)
-               if m.startswith(("kvtier.store", "kvtier.store.cache", "kvtier.server", "kvtier.engines"))}
-        assert not bad, f"tiers/{path.name} imports {bad}"
+def test_no_import_cycle_of_any_kind():
+    graph = {name: kvtier_imports(name) for name in all_modules()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert set(find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) or ()) == {"a", "b", "c"}
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_passes_400_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules past {MAX_LINES} lines: {long}"
+
+
+def test_the_package_root_holds_only_what_users_import():
+    assert {p.stem for p in SRC.glob("*.py")} <= ROOT_MODULES
+
+
+def test_a_daemon_client_depends_on_the_arena_and_the_protocol_not_on_a_tier():
+    allowed_low = {"kvtier.tiers.arena", "kvtier.store.results", "kvtier.store.packing"}
+    for client in ("kvtier.server.client", "kvtier.server.connection"):
+        seen: set[str] = set()
+        todo = [client]
+        while todo:
+            for dep in kvtier_imports(todo.pop()) - seen:
+                seen.add(dep)
+                todo.append(dep)
+        low = {m for m in seen if m.startswith(("kvtier.tiers", "kvtier.store"))}
+        assert low <= allowed_low, f"{client} depends on {sorted(low - allowed_low)}"
+        assert not {m for m in seen if m.startswith(("kvtier.engines", "kvtier.server.daemon"))}

@@ -7,8 +7,8 @@ Three names get you started::
 
 from kvtier.core.layout import KVLayout
 from kvtier.store import KVStore, LoadResult, LookupResult, SaveResult, StoreConfig
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 __all__ = [
     "DiskTierConfig",

@@ -31,8 +31,8 @@ from kvtier.engines.hf import EngineConfig, HFEngine, Message, kv_layout_for
 from kvtier.engines.real_model import NAME as REAL_MODEL
 from kvtier.engines.real_model import real_model_dir
 from kvtier.store import StoreConfig
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 if TYPE_CHECKING:
     from kvtier.engines.vllm_chat import VLLMChat

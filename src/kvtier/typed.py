@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.mover import Shape
 from kvtier.core.objects import HEADER_BYTES, ObjectHeader, ObjectKind, part_key, part_keys
-from kvtier.core.placement import Shape
 from kvtier.store import KVStore
 from kvtier.store.cache import Slot
 from kvtier.tiers.base import Reservation, TierFullError, as_byte_tensor

@@ -4,7 +4,8 @@ import json
 
 from click.testing import CliRunner
 
-from kvtier.bench.replay import ReplayConfig, replay
+from kvtier.bench.replay import replay
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.simstore import SimConfig, SimStore
 from kvtier.bench.trace import parse_trace
 from kvtier.cli import main

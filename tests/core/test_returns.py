@@ -9,7 +9,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policies.returns import ReturnsPolicy
 from kvtier.core.policy import LIVE_POLICIES, make_policy
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 from ..conftest import make_kv
 from .test_policies import drain

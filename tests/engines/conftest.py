@@ -23,7 +23,7 @@ from kvtier.engines.hf import (
     kv_layout_for,
     model_fingerprint,
 )
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 C = 16
 """Chunk tokens: small, so a chat of a few hundred tokens spans many chunks."""

@@ -12,7 +12,7 @@ import torch
 
 from kvtier import HostTierConfig, KVStore, StoreConfig
 from kvtier.engines.hf import HFEngine, kv_layout_for, model_fingerprint
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 from .conftest import (
     QUESTIONS,

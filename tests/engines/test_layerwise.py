@@ -10,7 +10,7 @@ import torch
 
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 from ..conftest import make_kv
 from .conftest import QUESTIONS, SYSTEM, assert_same_as_recompute, chunk_file

@@ -349,7 +349,8 @@ def test_a_probe_says_which_keys_are_held_each_on_its_own_and_counts_nothing(dae
 
 @pytest.mark.parametrize("page_format", ["", "vllm-cpu_attn-float32-bs16"])
 def test_a_daemon_with_a_compressed_ssd_serves_chunks_within_the_codec_bound(tmp_path, page_format):
-    from kvtier.tiers.codecs import KVFormat, error_bound
+    from kvtier.tiers.codec_types import KVFormat
+    from kvtier.tiers.codecs import error_bound
 
     d = Daemon(tmp_path, write_through=False, extra=('codec = "int8"',)).start()
     try:

@@ -18,7 +18,7 @@ import torch
 from kvtier.server.client import StoreClient
 from kvtier.server.daemon import DaemonConfig, StoreDaemon
 from kvtier.store.cache import CacheConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 from ..conftest import make_kv
 from .test_daemon import LAYOUT, MODEL, Daemon, assert_loaded, out_buffers
@@ -265,7 +265,7 @@ def test_a_reserve_whose_reply_never_came_is_forgotten_on_the_next_connection(tm
 def test_a_forget_that_arrives_before_the_old_connection_ends_still_frees_the_slots(tmp_path):
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
     from kvtier.store.cache import CacheConfig
-    from kvtier.tiers.host import HostTierConfig
+    from kvtier.tiers.host_config import HostTierConfig
 
     d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
         HostTierConfig(8 * LAYOUT.chunk_bytes, extent_bytes=LAYOUT.chunk_bytes)))).start()
@@ -294,7 +294,7 @@ def test_a_forget_that_arrives_before_the_old_connection_ends_still_frees_the_sl
 def test_a_flush_longer_than_the_timeout_keeps_the_connection_and_its_leases(tmp_path):
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
     from kvtier.store.cache import CacheConfig
-    from kvtier.tiers.host import HostTierConfig
+    from kvtier.tiers.host_config import HostTierConfig
 
     d = StoreDaemon(DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(
         HostTierConfig(8 * LAYOUT.chunk_bytes, extent_bytes=LAYOUT.chunk_bytes)))).start()

@@ -347,7 +347,7 @@ def test_only_tenants_every_uid_may_use_are_read_on_the_http_port(tmp_path):
     from kvtier.server.http import unreadable
     from kvtier.server.settings import AccessConfig, DaemonConfig
     from kvtier.store.cache import CacheConfig
-    from kvtier.tiers.host import HostTierConfig
+    from kvtier.tiers.host_config import HostTierConfig
 
     def config(**kw: object) -> DaemonConfig:
         return DaemonConfig(str(tmp_path / "kv.sock"), CacheConfig(HostTierConfig(1 << 20)), **kw)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.mover import Shape
 from kvtier.store import RemoteConfig
 from kvtier.store.cache import CacheConfig, ChunkCache, Slot
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 from kvtier.tiers.valkey import ValkeyTierConfig
 from tests.remote_servers import unique_prefix
 
@@ -258,7 +258,7 @@ def test_a_save_while_an_extent_drains_for_another_size_evicts_instead_of_failin
 
 
 def test_an_ssd_eviction_during_a_dram_drain_does_not_end_the_drain(layout, tmp_path):
-    from kvtier.tiers.disk import header_len_for as hlen
+    from kvtier.tiers.disk_format import header_len_for as hlen
 
     a, b, config = _two_sizes(layout, tmp_path, disk_bytes=2 * (hlen(layout.num_layers) + layout.chunk_bytes))
     with ChunkCache(config) as cache:

@@ -7,7 +7,8 @@ import torch
 
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.core.layout import KVLayout
-from kvtier.tiers.codecs import KVFormat, error_bound
+from kvtier.tiers.codec_types import KVFormat
+from kvtier.tiers.codecs import error_bound
 
 from ..conftest import make_kv
 

@@ -8,7 +8,7 @@ import torch
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.policy import POLICIES, LRUPolicy
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 from ..conftest import make_kv
 

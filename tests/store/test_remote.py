@@ -9,7 +9,8 @@ import torch
 
 from kvtier import HostTierConfig, KVStore, StoreConfig
 from kvtier.store import RemoteConfig
-from kvtier.tiers.disk import DiskTierConfig, header_len_for
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.disk_format import header_len_for
 from kvtier.tiers.mooncake import MooncakeTierConfig
 from kvtier.tiers.valkey import ValkeyTierConfig
 from tests.remote_servers import unique_prefix, wait_until

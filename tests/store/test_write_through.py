@@ -12,7 +12,7 @@ import threading
 import torch
 
 from kvtier import DiskTierConfig, HostTierConfig, KVStore, StoreConfig
-from kvtier.tiers.disk import header_len_for
+from kvtier.tiers.disk_format import header_len_for
 
 from ..conftest import make_kv
 

@@ -147,7 +147,7 @@ def test_get_into_reads_straight_into_the_buffer_and_verifies_it(mooncake_shared
 def _promotion_with_the_holder_stalled(servers):
     """A Mooncake tier (0.5 s timeout) holding chunks 1 and 2 below a DRAM tier, a mover between
     them, and the process holding Mooncake's memory stopped (SIGSTOP)."""
-    from kvtier.core.placement import Shape
+    from kvtier.core.mover import Shape
     from kvtier.store.moves import TierMover
     from kvtier.tiers.host import HostTier
     from kvtier.tiers.host_config import HostTierConfig
@@ -164,7 +164,7 @@ def _promotion_with_the_holder_stalled(servers):
 def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private):
     """The holder of the bytes stalls mid-read: the read is a miss within the timeout, and the
     DRAM slot it was reading into stays reserved until the abandoned call has ended."""
-    from kvtier.core.placement import Copied, Move
+    from kvtier.core.mover import Copied, Move
 
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
@@ -182,7 +182,7 @@ def test_a_read_given_up_on_keeps_its_buffer_until_it_ends(mooncake_private):
 
 
 def test_a_batched_read_given_up_on_keeps_all_its_buffers_until_it_ends(mooncake_private):
-    from kvtier.core.placement import Copied, Move
+    from kvtier.core.mover import Copied, Move
 
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:
@@ -204,7 +204,7 @@ def test_closing_waits_for_a_read_given_up_on(mooncake_private):
     the client (and, in a store, the DRAM arena it writes into) goes away."""
     import threading
 
-    from kvtier.core.placement import Move
+    from kvtier.core.mover import Move
 
     tier, host, mover = _promotion_with_the_holder_stalled(mooncake_private)
     try:

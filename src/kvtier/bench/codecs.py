@@ -53,7 +53,7 @@ from kvtier.bench.codecs_roundtrip import (
 from kvtier.bench.sharegpt import iter_conversations
 from kvtier.demo import resolve_model
 from kvtier.engines.hf import chat_prompt_ids, kv_layout_for
-from kvtier.tiers.codecs import CODECS, KVFormat, check_codec
+from kvtier.tiers.codec_types import CODECS, KVFormat, check_codec
 
 __all__ = ["CodecBenchConfig", "run_codec_bench"]
 

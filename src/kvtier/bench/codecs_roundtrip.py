@@ -17,9 +17,10 @@ import torch
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.store.packing import chunk_view, pack_chunk
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 from kvtier.tiers.coded import decode_range, encode_entry
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_config import DiskTierConfig
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (K, V), each ``[kv_heads, tokens, head_dim]``."""

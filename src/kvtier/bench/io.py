@@ -41,7 +41,8 @@ import torch
 
 from kvtier.bench.io_workloads import _DiskWork, _HostWork, _Workload
 from kvtier.tiers.arena import PAGE
-from kvtier.tiers.disk import DiskTier, DiskTierConfig
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_config import DiskTierConfig
 
 MIB = 1 << 20
 GB = 1e9

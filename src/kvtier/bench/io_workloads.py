@@ -12,7 +12,8 @@ from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.errors import KVTierError
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import HostTier, HostTierConfig
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_config import HostTierConfig
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvtier.bench.replay_config import ReplayConfig  # re-export (importers outside bench/ and cli/)
+from kvtier.bench.replay_config import ReplayConfig
 from kvtier.bench.replay_queue import _next_in_session, _Queue
 from kvtier.bench.simstore import SimConfig, SimStore
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, Trace

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from kvtier.core.index import PrefixHit
 from kvtier.core.keys import ChunkKey
-from kvtier.core.placement import Copied, Move, Placement, Shape
+from kvtier.core.mover import Copied, Move, Shape
+from kvtier.core.placement import Placement
 from kvtier.core.policies.base import TierContext
 from kvtier.core.policy import POLICIES, make_policy
 

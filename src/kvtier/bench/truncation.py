@@ -40,7 +40,7 @@ from kvtier.engines.hf import (
 )
 from kvtier.engines.truncation import Render
 from kvtier.store import KVStore, StoreConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 RATIO_TARGET = 0.15
 """TTFT with re-use over TTFT of the recompute that the capability aims for."""

@@ -29,9 +29,9 @@ from transformers import AutoConfig
 from kvtier.demo import resolve_model
 from kvtier.engines.hf import EngineConfig, HFEngine, TurnResult, kv_layout_for, model_fingerprint
 from kvtier.store import KVStore, StoreConfig
-from kvtier.tiers.codecs import check_codec
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.codec_types import check_codec
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,8 @@ def run_vllm_ttft(config: VLLMTTFTConfig) -> VLLMTTFTResult:
     from kvtier.engines.vllm_chat import daemon_cache
     from kvtier.server.daemon import DaemonConfig, StoreDaemon
     from kvtier.store import StoreConfig
-    from kvtier.tiers.disk import DiskTierConfig
-    from kvtier.tiers.host import HostTierConfig
+    from kvtier.tiers.disk_config import DiskTierConfig
+    from kvtier.tiers.host_config import HostTierConfig
 
     model_dir = resolve_model(config.model)
     layout = kv_layout_for(AutoConfig.from_pretrained(model_dir), config.chunk_tokens)

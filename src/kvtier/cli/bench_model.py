@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def _codec_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
-    from kvtier.tiers.codecs import CODECS
+    from kvtier.tiers.codec_types import CODECS
 
     names = tuple(dict.fromkeys(p.strip() for p in value.split(",") if p.strip()))
     bad = [n for n in names if n not in CODECS]

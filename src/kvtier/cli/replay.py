@@ -23,7 +23,8 @@ def _codec_figures(codec: str, layout: object, decode_gbps: float | None) -> tup
 
     if codec == "none":
         return 1.0, math.inf
-    from kvtier.tiers.codecs import KVFormat, frame_bytes, measure
+    from kvtier.tiers.codec_types import KVFormat
+    from kvtier.tiers.codecs import frame_bytes, measure
 
     fmt = KVFormat.of_layout(layout)
     if fmt is None:

@@ -42,9 +42,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvtier.engines import attention
-from kvtier.engines.chat_render import chat_prompt_ids  # re-export (importers outside engines/)
-from kvtier.engines.hf_config import EngineConfig  # re-export (importers outside engines/)
-from kvtier.engines.hf_layout import kv_layout_for  # re-export (importers outside engines/)
+from kvtier.engines.chat_render import chat_prompt_ids
+from kvtier.engines.hf_config import EngineConfig
+from kvtier.engines.hf_layout import kv_layout_for
 from kvtier.engines.layerwise import LayerwiseLoader, LoadFailed
 from kvtier.engines.preloaded_layer import PreloadedLayer
 from kvtier.engines.rope import RotaryShift
@@ -56,13 +56,13 @@ from kvtier.engines.truncation import (
     plan_shift,
     truncate,
 )
-from kvtier.engines.turn_result import TurnResult  # re-export (importers outside engines/)
+from kvtier.engines.turn_result import TurnResult
 from kvtier.model_id import model_fingerprint
 from kvtier.store import KVStore, StoreConfig
 from kvtier.store.packing import TORCH_DTYPES
 from kvtier.store.results import KVCacheAPI
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 log = logging.getLogger(__name__)
 

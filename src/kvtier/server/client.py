@@ -24,11 +24,7 @@ import torch
 
 from kvtier.core.keys import ChunkKey, chunk_tokens_of
 from kvtier.errors import DaemonUnavailable
-from kvtier.server.lease_client import (  # noqa: F401 - ReadLease, WriteLease: re-export (importers outside server/)
-    LeaseClient,
-    ReadLease,
-    WriteLease,
-)
+from kvtier.server.lease_client import LeaseClient
 from kvtier.store.packing import LayerKV, check_kv, pack_chunk, unpack_layer
 from kvtier.store.results import LoadResult, LookupResult, SaveResult
 

@@ -59,8 +59,8 @@ from kvtier.server.runtime import default_socket_path, ensure_socket_dir
 from kvtier.server.settings import AccessConfig, DaemonConfig
 from kvtier.store.cache import CacheConfig
 from kvtier.store.config import RemoteConfig
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 _TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "bool",
         "metrics_port": "int", "http_lookup": "bool", "host": "table", "disk": "table", "remote": "table", "access": "table"}

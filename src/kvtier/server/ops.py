@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvtier.core.placement import Shape
+from kvtier.core.mover import Shape
 from kvtier.errors import TierFullError
 from kvtier.server import protocol
 from kvtier.server.leases import Lease

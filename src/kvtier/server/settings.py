@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 from kvtier.core.keys import Namespace
 from kvtier.core.layout import KVLayout
-from kvtier.core.placement import Shape
+from kvtier.core.mover import Shape
 from kvtier.server import protocol
 from kvtier.server.protocol import BadRequest
 from kvtier.store.cache import CacheConfig
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 
 ANY_UID = "*"
 

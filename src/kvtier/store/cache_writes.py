@@ -12,7 +12,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.mover import Shape
 from kvtier.store.config import Slot
 from kvtier.tiers.base import Reservation, TierFullError
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 
 WRITE_THROUGH_TRIES = 3
 """Copies of one entry to SSD a write-through tries (another write may take the room made)."""

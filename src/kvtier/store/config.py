@@ -14,8 +14,8 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.mover import Shape
 from kvtier.core.policy import LIVE_POLICIES, POLICIES
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.host import HostTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.host_config import HostTierConfig
 
 NOMINAL_CHUNK_BYTES = 16 << 20
 """What the policies assume a chunk weighs when the store serves any model."""

@@ -50,7 +50,7 @@ from kvtier.store.config import (
 from kvtier.store.packing import LayerKV, check_kv, pack_chunk, torch_dtype, unpack_layer
 from kvtier.store.results import LoadResult, LookupResult, SaveResult, StoreStats
 from kvtier.tiers.base import Tier, TierFullError
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)

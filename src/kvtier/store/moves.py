@@ -43,7 +43,7 @@ from kvtier.store.promotions import Promotions
 from kvtier.store.transfers import HANDLER_THREADS, Handler, Transfers
 from kvtier.store.uploader import Uploader
 from kvtier.tiers.base import Tier, TierFullError
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 

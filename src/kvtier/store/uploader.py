@@ -25,7 +25,7 @@ from kvtier.tiers.base import (
     TierFullError,
     TierUnavailableError,
 )
-from kvtier.tiers.codecs import KVFormat
+from kvtier.tiers.codec_types import KVFormat
 
 log = logging.getLogger(__name__)
 

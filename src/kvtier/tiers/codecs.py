@@ -41,12 +41,10 @@ import torch
 from kvtier.tiers.codec_types import (
     CODEC_IDS,
     CODEC_NAMES,
-    CODECS,  # noqa: F401 - re-export (importers outside tiers/)
     DTYPE_NAMES,
     DTYPES,
     CodecError,
     KVFormat,
-    check_codec,  # noqa: F401 - re-export (importers outside tiers/)
 )
 from kvtier.tiers.quantizers import _F16_TINY, _QUANT, FP8_MAX, GROUP_ROWS, _group, _grouped
 

@@ -23,8 +23,6 @@ Guarantees:
 
 from __future__ import annotations
 
-from kvtier.tiers.disk_config import DiskTierConfig  # noqa: F401 - re-export (importers outside tiers/)
-from kvtier.tiers.disk_format import header_len_for  # noqa: F401 - re-export (importers outside tiers/)
 from kvtier.tiers.disk_reads import DiskReads
 from kvtier.tiers.disk_writes import DiskWrites
 

@@ -24,7 +24,6 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.base import EntryExistsError, Reservation, check_key
 from kvtier.tiers.codec_types import KVFormat
-from kvtier.tiers.host_config import HostTierConfig  # noqa: F401 - re-export (importers outside tiers/)
 from kvtier.tiers.host_slots import HostSlots, _Slot
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtier.engines.vllm.plan import Transfer
-from kvtier.server.client import WriteLease
+from kvtier.server.lease_client import WriteLease
 
 log = logging.getLogger(__name__)
 

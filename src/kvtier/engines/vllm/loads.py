@@ -13,7 +13,7 @@ import torch
 
 from kvtier.engines.vllm.calls import _LATE
 from kvtier.engines.vllm.plan import Transfer
-from kvtier.server.client import ReadLease
+from kvtier.server.lease_client import ReadLease
 
 log = logging.getLogger(__name__)
 

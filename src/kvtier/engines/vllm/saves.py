@@ -10,7 +10,8 @@ from concurrent.futures import Future
 
 from kvtier.engines.vllm.calls import _LATE
 from kvtier.engines.vllm.plan import Transfer
-from kvtier.server.client import StoreClient, WriteLease
+from kvtier.server.client import StoreClient
+from kvtier.server.lease_client import WriteLease
 
 
 class Saves:

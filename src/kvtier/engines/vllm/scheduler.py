@@ -30,8 +30,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.engines.vllm.calls import Calls
 from kvtier.engines.vllm.events import KVEvents, request_blocks
 from kvtier.engines.vllm.hints import Hints
-from kvtier.engines.vllm.lookups import (  # noqa: F401 - ROOM_WAIT_S: re-export (importers outside engines/)
-    ROOM_WAIT_S,
+from kvtier.engines.vllm.lookups import (
     Lookups,
     _Lookup,
     _Pending,

@@ -51,7 +51,8 @@ from kvtier.engines.vllm.loads import Loads
 from kvtier.engines.vllm.pages import PageAdapter
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer
 from kvtier.engines.vllm.saves import Saves
-from kvtier.server.client import ReadLease, StoreClient, WriteLease
+from kvtier.server.client import StoreClient
+from kvtier.server.lease_client import ReadLease, WriteLease
 
 log = logging.getLogger(__name__)
 
