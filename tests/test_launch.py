@@ -48,6 +48,9 @@ def test_a_users_kv_transfer_config_is_refused(flag, tiny_model_dir):
 def test_flags_the_stack_sets_itself_are_refused_and_others_pass(tiny_model_dir):
     with pytest.raises(ValueError, match="--port is set by kvtier"):
         VLLMSpec(model=str(tiny_model_dir), args=("--port", "9000"))
+    for abbreviated in ("--por", "--ho=0.0.0.0", "--kv-trans={}", "--mod"):  # argparse takes them
+        with pytest.raises(ValueError, match="is set by kvtier"):
+            refuse_owned_flags(["--dtype", "float32", abbreviated, "x"])
     refuse_owned_flags(["--dtype", "float32", "--max-model-len", "2048", "--host-bytes-like-value"])
     with pytest.raises(ValueError, match="model directory"):
         VLLMSpec(model="/nonexistent")
@@ -209,11 +212,14 @@ def test_kvtier_serve_smollm2_builds_the_demos_model_once_and_serves_it_under_it
         in result.output
     vllm = FakeStack.configs[-1].vllm
     assert vllm.model == str(fake_serve)
-    assert vllm.args == ("--dtype", "float32", "--served-model-name", model)
+    assert vllm.args == ("--served-model-name", model, "--dtype", "float32")  # a user's spelling wins
     assert f"ready at http://127.0.0.1:8000/v1 (model {model!r}" in result.output
     again = CliRunner().invoke(main, ["serve", model, "--", "--served-model-name=chat"])
     assert again.exit_code == 0 and "building" not in again.output  # built once
     assert FakeStack.configs[-1].vllm.args == ("--served-model-name=chat",)  # the user's name
+    for theirs in (["--served-model", "chat"], ["--config", "serve.yaml"]):  # abbreviated; a config file
+        assert CliRunner().invoke(main, ["serve", model, "--", *theirs]).exit_code == 0
+        assert FakeStack.configs[-1].vllm.args == tuple(theirs)
 
 
 def test_kvtier_serve_refuses_bad_flags_before_it_builds_a_model(fake_serve):

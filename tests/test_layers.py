@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import os
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -133,3 +136,50 @@ def test_a_daemon_client_depends_on_the_arena_and_the_protocol_not_on_a_tier():
         low = {m for m in seen if m.startswith(("kvtier.tiers", "kvtier.store"))}
         assert low <= allowed_low, f"{client} depends on {sorted(low - allowed_low)}"
         assert not {m for m in seen if m.startswith(("kvtier.engines", "kvtier.server.daemon"))}
+
+
+def closure(name: str) -> set[str]:
+    """Every kvtier module ``name`` reaches through its imports."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for dep in kvtier_imports(todo.pop()) - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def test_nothing_the_daemon_reaches_is_an_engine_even_through_a_root_module():
+    for path in modules("server"):
+        bad = {m for m in closure(module_name(path)) if m.startswith(("kvtier.engines", "kvtier.bench", "kvtier.cli"))}
+        assert not bad, f"{module_name(path)} reaches {sorted(bad)}"
+
+
+def modules_loaded_by(statement: str) -> set[str]:
+    """The modules a fresh interpreter holds after ``statement``: what the rules above claim,
+    checked as Python really runs it (package __init__ files included)."""
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return set(out.stdout.split())
+
+
+def test_importing_a_part_of_kvtier_runs_only_that_part():
+    client = modules_loaded_by("import kvtier.server.client")
+    assert {m for m in client if m.startswith(("kvtier.tiers.", "kvtier.store."))} == {
+        "kvtier.tiers.arena", "kvtier.store.packing", "kvtier.store.results"}
+    daemon = modules_loaded_by("import kvtier.server.daemon, kvtier.server.http")
+    assert not {m for m in daemon if m.startswith("kvtier.engines") or m.split(".")[0] in ("transformers", "vllm")}
+    assert "torch" not in modules_loaded_by("import kvtier.core.keys, kvtier.core.policy, kvtier.core.placement")
+    everything = modules_loaded_by("from kvtier import *; import kvtier.store as s; s.KVStore")
+    assert {"kvtier.store.facade", "kvtier.tiers.disk_config", "kvtier.tiers.host_config"} <= everything
+
+
+def test_the_roots_names_are_all_there():
+    import kvtier
+    import kvtier.store
+
+    for package in (kvtier, kvtier.store):
+        assert sorted(package.__all__) == sorted(package._HOME)
+        for name in package.__all__:
+            assert getattr(package, name).__name__ == name

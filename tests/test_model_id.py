@@ -18,7 +18,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvtier.engines import default_model, real_model
-from kvtier.model_id import model_directory, model_fingerprint, resolve_model_dir
+from kvtier.engines.model_names import model_directory
+from kvtier.model_id import model_fingerprint, resolve_model_dir
 
 CONFIG = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2}
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -342,7 +343,7 @@ def test_the_hub_id_of_smollm2_is_the_hub_snapshot_when_cached_else_kvtiers_buil
     path, served = model_directory(REPO, say=builds.say)
     assert (path, served) == (real_model.model_path(), REPO)  # not in the (empty) cache
     assert "not in the local Hugging Face cache" in builds.said[0]
-    assert model_directory(f"{REPO.lower()}@main")[0] == real_model.model_path()
+    assert model_directory(f"{REPO.lower()}@main") == (real_model.model_path(), REPO)  # served as the hub spells it
     with pytest.raises(ValueError, match="revision 'v2'.*smollm2"):
         model_directory(f"{REPO}@v2")  # a revision of the hub's weights: never the 4-bit build
     fake_hub(tmp_path / "hub", REPO, {"main": write_model(tmp_path / "local" / "m")})
@@ -356,8 +357,20 @@ def test_a_directory_is_itself_and_a_directory_named_like_a_model_is_reached_as_
     assert model_directory(local) == (local, None)
     monkeypatch.chdir(tmp_path / "work")
     assert model_directory("./smollm2") == (Path("./smollm2"), None)
-    path, _ = model_directory("smollm2", say=builds.say)
-    assert path == real_model.model_path() and "./smollm2" in builds.said[0]
+    with pytest.raises(ValueError, match=r"'smollm2' is both kvtier's model and a directory here: write \./smollm2"):
+        model_directory("smollm2", say=builds.say)  # neither silently: the folder may be anyone's
+    assert builds.built == []
+
+
+def test_a_directory_shaped_like_a_hub_id_never_stands_in_for_it_silently(builds, tmp_path, monkeypatch):
+    """A folder `HuggingFaceTB/SmolLM2-135M-Instruct` in the working directory (a shared /tmp, a
+    checkout anyone writes) would otherwise be served under the hub's name."""
+    write_model(tmp_path / "work" / REPO)
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ValueError, match=f"both a hub id and a directory here: write ./{REPO}"):
+        model_directory(REPO)
+    assert model_directory(f"./{REPO}") == (Path(f"./{REPO}"), None)
+    assert builds.built == []
 
 
 def test_an_unknown_model_is_refused_naming_where_it_looked_and_kvtiers_names(builds, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 __all__ = ["CONNECTOR_MODULE", "OWNED_FLAGS", "PROFILE_MODULE", "flag_name", "has_flag",
-           "kv_transfer_config", "profiled", "refuse_owned_flags"]
+           "kv_transfer_config", "names_flag", "profiled", "refuse_owned_flags"]
 
 CONNECTOR_MODULE = "kvtier.engines.vllm"
 OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
@@ -22,22 +22,31 @@ def flag_name(arg: str) -> str:
     return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
+def names_flag(arg: str, name: str) -> bool:
+    """Whether ``arg`` is vLLM's flag ``name`` in any spelling its parser takes, abbreviations
+    included (argparse takes ``--por 9000`` for ``--port``; an ambiguous one it refuses)."""
+    given = flag_name(arg)
+    return arg.startswith("--") and len(given) > 2 and name.startswith(given)
+
+
 def has_flag(args: Sequence[str], name: str) -> bool:
     """Whether ``args`` sets vLLM's flag ``name`` (``--served-model-name``), in any of the
     spellings vLLM's parser takes."""
-    return any(arg.startswith("--") and flag_name(arg) == name for arg in args)
+    return any(names_flag(arg, name) for arg in args)
 
 
 def refuse_owned_flags(args: Sequence[str]) -> None:
     """ValueError if ``args`` sets a flag the stack sets itself."""
     for arg in args:
-        name = flag_name(arg)
-        if name == "--kv-transfer-config":
+        if names_flag(arg, "--kv-transfer-config"):
             raise ValueError("--kv-transfer-config is set by kvtier (it wires vLLM to the kvtier "
                              "daemon it starts); remove it from the vLLM flags")
-        if arg.startswith("--") and name in OWNED_FLAGS:
-            raise ValueError(f"{name} is set by kvtier; use kvtier serve's own option instead of "
-                             "passing it to vLLM")
+        for name in OWNED_FLAGS:
+            if names_flag(arg, name):
+                given = flag_name(arg)
+                spelled = name if given == name else f"{given} ({name})"
+                raise ValueError(f"{spelled} is set by kvtier; use kvtier serve's own option instead "
+                                 "of passing it to vLLM")
 
 
 def kv_transfer_config(socket_path: str, chunk_tokens: int | None = None,

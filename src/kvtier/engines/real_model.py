@@ -143,7 +143,11 @@ def _gguf_parsed_once() -> Iterator[None]:
         reader, readers = gguf.GGUFReader, {}
 
         def parsed(path: str | os.PathLike[str], *args: object, **kwargs: object) -> object:
-            key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+            try:
+                key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+                hash(key)
+            except TypeError:  # arguments that cannot be a key: parsed anew, as without the patch
+                return reader(path, *args, **kwargs)
             if key not in readers:
                 readers[key] = reader(path, *args, **kwargs)
             return readers[key]

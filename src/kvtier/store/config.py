@@ -1,7 +1,7 @@
-"""The store's configuration and result types (kept apart from :mod:`kvtier.store.facade`'s logic).
+"""The store's configuration (kept apart from :mod:`kvtier.store.facade`'s logic).
 
 ``StoreConfig`` is the store's whole configuration; ``RemoteConfig`` adds the shared tier below
-SSD. Lookups, loads and saves return the frozen result types below.
+SSD. Lookups, loads and saves return the frozen types of :mod:`kvtier.store.results`.
 """
 
 from __future__ import annotations

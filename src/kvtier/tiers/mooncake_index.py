@@ -52,7 +52,7 @@ class MooncakeIndex(RemoteTier):
 
     @property
     def used(self) -> int:
-        """Bytes this process committed or reserved (see the module docstring)."""
+        """Bytes this process committed or reserved (see :mod:`kvtier.tiers.mooncake`)."""
         with self._lock:
             return self._used
 
@@ -127,7 +127,7 @@ class MooncakeIndex(RemoteTier):
             self._conn.staging.give(head)
 
     def keys(self) -> list[ChunkKey]:
-        """Chunks this process committed, oldest first (see the module docstring)."""
+        """Chunks this process committed, oldest first (see :mod:`kvtier.tiers.mooncake`)."""
         with self._lock:
             return list(self._entries)
 

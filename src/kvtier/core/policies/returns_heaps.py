@@ -45,7 +45,7 @@ class ReturnsHeaps:
                   or not g.regular]:
             del waiting[g]
         if not waiting or self._queued:
-            return []  # behind a queue a session is prefetched as the queue's own (see above)
+            return []  # behind a queue a session is prefetched as the queue's own (see :mod:`kvtier.core.policies.returns`)
         farther = self._farther(now) if self._pressed else [(INF, 1 << 62)]
         out: list[Sequence[ChunkKey]] = []
         for g in sorted(waiting, key=lambda g: g.expected(now)):
