@@ -127,12 +127,7 @@ def test_the_package_root_holds_only_what_users_import():
 def test_a_daemon_client_depends_on_the_arena_and_the_protocol_not_on_a_tier():
     allowed_low = {"kvtier.tiers.arena", "kvtier.store.results", "kvtier.store.packing"}
     for client in ("kvtier.server.client", "kvtier.server.connection"):
-        seen: set[str] = set()
-        todo = [client]
-        while todo:
-            for dep in kvtier_imports(todo.pop()) - seen:
-                seen.add(dep)
-                todo.append(dep)
+        seen = closure(client)
         low = {m for m in seen if m.startswith(("kvtier.tiers", "kvtier.store"))}
         assert low <= allowed_low, f"{client} depends on {sorted(low - allowed_low)}"
         assert not {m for m in seen if m.startswith(("kvtier.engines", "kvtier.server.daemon"))}
