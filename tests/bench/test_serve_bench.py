@@ -68,6 +68,86 @@ def test_the_workload_caps_user_messages_and_replies_in_tokens(tiny_model_dir):
     assert all(f > sum(len(t.user) for t in p) for f, p in zip(work.final_tokens, work.plans))
 
 
+def _profile_lines(tmp_path):
+    """A profiled run's lines: a warm-up step before the requests, a prefill step, decode steps
+    (one whose scheduler line was lost, one after a pause), a step that computed nothing, a line
+    cut mid-write; the scheduler pid 100, the worker's 200."""
+    def sched(step, kind, tokens, requests, hook_s):
+        return {"side": "scheduler", "pid": 100, "step": step, "kind": kind, "tokens": tokens,
+                "requests": requests, "t": 0.0, "probe_s": 0.0, "counters": {},
+                "hooks": {"build_connector_meta": [hook_s, 1]}}
+
+    def work(step, kind, t, span, hook_s):
+        return {"side": "worker", "step": step, "kind": kind, "scheduler": 100 if step else 0, "t": t,
+                "span_s": span, "probe_s": 0.0, "counters": {}, "hooks": {"save_kv_layer": [hook_s, 1]}}
+
+    (tmp_path / "scheduler-100.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        sched(1, "prefill", 40, 1, 0.0), sched(2, "prefill", 300, 2, 0.002), sched(3, "decode", 2, 2, 0.001),
+        sched(4, "decode", 3, 3, 0.0), sched(6, "decode", 3, 3, 0.0)]) + "\n")
+    # an engine core that ran before (another pid, the same step numbers): never joined
+    (tmp_path / "scheduler-99.jsonl").write_text("\n".join(json.dumps({**sched(n, "decode", 50, 50, 9.0), "pid": 99})
+                                                         for n in range(1, 8)) + "\n")
+    # a worker that lived shorter (one step in the window): not the one read
+    (tmp_path / "worker-150.jsonl").write_text(json.dumps({**work(2, "decode", 12.2, 0.1, 0.0), "scheduler": 99}) + "\n")
+    (tmp_path / "worker-200.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        work(1, "prefill", 10.5, 0.5, 0.0),       # the warm-up, before the requests
+        work(2, "prefill", 12.3, 0.3, 0.01),
+        work(3, "decode", 12.345, 0.04, 0.001),   # 5 ms after the step before: 1 ms of it hooks
+        work(4, "decode", 12.39, 0.04, 0.0),
+        work(5, "decode", 13.0, 0.04, 0.0),       # a pause of 0.57 s; its scheduler line is lost
+        work(6, "decode", 13.05, 0.04, 0.0),
+        work(0, "unknown", 13.1, 0.002, 0.0),
+        work(7, "decode", 14.01, 0.04, 0.0)]) + '\n{"side": "worker", "st')  # (ends past the window)
+
+
+def test_engine_time_splits_the_requests_window_into_what_vllm_and_the_connector_did(tmp_path):
+    from kvtier.bench.peers.profile_report import engine_time
+
+    _profile_lines(tmp_path)
+    e = engine_time(tmp_path, since=11.0, until=14.0)
+    assert e is not None
+    assert e["wall_s"] == pytest.approx(13.1 - 12.0)  # from the first request step's start
+    assert (e["prefill_steps"], e["decode_steps"], e["other_steps"]) == (1, 4, 1)
+    assert e["prefill_s"] == pytest.approx(0.29) and e["decode_s"] == pytest.approx(0.159)
+    assert e["connector_worker_s"] == pytest.approx(0.011)
+    assert e["connector_scheduler_s"] == pytest.approx(0.001)  # step 3's, in the gap before it
+    assert e["paused_s"] == pytest.approx(0.57)
+    assert e["between_steps_s"] == pytest.approx(0.004 + 0.005 + 0.01 + 0.048)
+    parts = sum(e[k] for k in ("prefill_s", "decode_s", "other_s", "connector_worker_s",
+                               "connector_scheduler_s", "between_steps_s", "paused_s"))
+    assert parts == pytest.approx(e["wall_s"])
+    assert (e["prefill_tokens"], e["decode_tokens"], e["matched_steps"]) == (300, 8, 4)
+    assert e["decode_batch"] == pytest.approx(8 / 3)  # over the decode steps whose line was found
+    assert e["worker_files"] == 2
+    whole = engine_time(tmp_path)  # no window: the warm-up counts too, and the step past it
+    assert whole["prefill_steps"] == 2 and whole["prefill_tokens"] == 340 and whole["decode_steps"] == 5
+    assert engine_time(tmp_path, since=20.0) is None
+
+
+def test_the_profile_tables_print_with_the_engine_time(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kvtier.bench.peers.profile_report import summarize_profile
+    from kvtier.cli.bench_vllm import _print_engine, _print_profile
+
+    _profile_lines(tmp_path)
+    profile = summarize_profile(tmp_path, since=11.0, until=14.0)
+    assert {"prefill", "decode", "engine"} <= set(profile)
+    console = Console(file=StringIO(), width=240)
+    _print_profile(console, "kvtier", profile)
+    _print_engine(console, {"kvtier": profile["engine"]})
+    text = console.file.getvalue()
+    assert "save_kv_layer" in text
+    for label, figure in (("engine s, first step to last", "1.1"), ("prefill steps' forward passes s", "0.3 (1 steps)"),
+                          ("other steps s (nothing computed)", "0.0 (1 steps)"), ("steps those counts cover", "4 of 5"),
+                          ("pauses of 0.2 s or more s", "0.6")):
+        line = next(x for x in text.splitlines() if label in x)
+        assert line.rstrip(" │").endswith(figure), line
+    assert profile["prefill"]["steps"] == 1  # the per-step table leaves the warm-up out too
+
+
 @pytest.mark.slow
 def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_model_dir, tmp_path):
     pytest.importorskip("vllm")
@@ -104,7 +184,17 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     # step hook of both sides timed, the daemon's round trips and the bytes copied counted
     assert vllm["profile"] is None
     prof = kvtier["profile"]
-    assert {"decode", "prefill"} <= set(prof) <= {"decode", "decode, nothing moved", "prefill"}
+    assert {"decode", "prefill", "engine"} <= set(prof) <= {"decode", "decode, nothing moved", "prefill", "engine"}
+    # where the engine's time went: every step's span in one kind or another, the rest between
+    # steps or idle; tokens computed in both kinds of step
+    eng = prof["engine"]
+    parts = sum(eng[k] for k in ("prefill_s", "decode_s", "other_s", "connector_worker_s",
+                                 "connector_scheduler_s", "between_steps_s", "paused_s"))
+    assert abs(parts - eng["wall_s"]) < 1e-3 * eng["wall_s"] + 1e-3  # (no step overlapped another)
+    # over the requests only (both tables leave the warm-up out), within the run's own wall time
+    assert 0 < eng["prefill_steps"] == prof["prefill"]["steps"] and 0 < eng["decode_steps"] == prof["decode"]["steps"]
+    assert eng["wall_s"] <= kvtier["wall_s"] and eng["worker_files"] == 1
+    assert eng["prefill_tokens"] > 0 and eng["decode_tokens"] > 0 and eng["connector_worker_s"] > 0
     for kind in ("decode", "prefill"):
         p = prof[kind]
         assert p["steps"] > 0 and p["span_ms"] > 0 and 0 < p["hooks_share"] < 1

@@ -75,10 +75,10 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
             before = stack.stats() if stack.socket else None
             preempted = preemptions(stack.url)
             progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
-            t0 = time.perf_counter()
+            t0, since = time.perf_counter(), time.monotonic()  # (the profile's clock: time.monotonic)
             records = run_conversations(url, SERVED_NAME, work.plans,
                                         in_flight=config.in_flight, think_s=config.think_s)
-            wall = time.perf_counter() - t0
+            wall, until = time.perf_counter() - t0, time.monotonic()
         except Exception as exc:  # the server's log says why; it goes with the stack
             raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
                                 f"{stack.log_text('vllm')[-4000:]}") from exc
@@ -92,7 +92,7 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
     if stack_cfg.vllm.profile_dir is not None:
         from kvtier.bench.peers.profile_report import summarize_profile
 
-        profile = summarize_profile(Path(stack_cfg.vllm.profile_dir))
+        profile = summarize_profile(Path(stack_cfg.vllm.profile_dir), since, until)
     return Run(name, repeat, records, wall, pool, delta, profile, preempted)
 
 

@@ -201,10 +201,10 @@ def run_fleet(name: str, repeat: int, config: ServeBenchConfig, model_dir: Path,
             preempted = [preemptions(s.url) for s in stacks]
             progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns, "
                      f"{config.route} over {n} instances")
-            t0 = time.perf_counter()
+            t0, since = time.perf_counter(), time.monotonic()  # (the profile's clock: time.monotonic)
             records = run_conversations(urls, SERVED_NAME, work.plans, in_flight=config.in_flight,
                                         think_s=config.think_s, router=route_of(config.route, n))
-            wall = time.perf_counter() - t0
+            wall, until = time.perf_counter() - t0, time.monotonic()
         except Exception as exc:  # the servers' logs say why; they go with the fleet
             logs = "\n".join(f"-- instance {i}:\n{s.log_text('vllm')[-2000:]}" for i, s in enumerate(stacks))
             raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's logs:\n{logs}") from exc
@@ -221,6 +221,6 @@ def run_fleet(name: str, repeat: int, config: ServeBenchConfig, model_dir: Path,
     if profile_dir is not None and name != "vllm":
         from kvtier.bench.peers.profile_report import summarize_profile
 
-        profile = summarize_profile(profile_dir / "instance0")  # step numbers are per instance
+        profile = summarize_profile(profile_dir / "instance0", since, until)  # step numbers are per instance
     return Run(name, repeat, records, wall, pool, delta, profile,
                sum(counts) if len(counts) == n else None)

@@ -231,12 +231,47 @@ def _print_serve(report: ServeBenchReport) -> None:
     for r in report.results:
         if r.profile and r.repeat == 0:
             _print_profile(console, r.name, r.profile)
+    _print_engine(console, {r.name: r.profile["engine"] for r in report.results
+                            if r.repeat == 0 and r.profile and "engine" in r.profile})
+
+
+def _print_engine(console: Console, engines: dict[str, dict]) -> None:  # type: ignore[type-arg]
+    """Where each profiled configuration's engine time went over its requests (first run): a
+    connector wins in the prefill spans (fewer tokens computed) and costs its hooks; the rest
+    is vLLM's work on the tokens and batches it was given."""
+    if not engines:
+        return
+    from kvtier.bench.peers.profile_report import IDLE_GAP_S
+
+    table = Table(title="where the engine's time went over the requests (first run; with --instances, instance 0's)")
+    table.add_column("")
+    for name in engines:
+        table.add_column(name, justify="right")
+
+    def row(label: str, fn) -> None:  # type: ignore[no-untyped-def]
+        table.add_row(label, *[fn(e) for e in engines.values()])
+
+    row("engine s, first step to last", lambda e: f"{e['wall_s']:.1f}")
+    row("prefill steps' forward passes s", lambda e: f"{e['prefill_s']:.1f} ({e['prefill_steps']} steps)")
+    row("  tokens computed in them", lambda e: str(e["prefill_tokens"]))
+    row("decode steps' forward passes s", lambda e: f"{e['decode_s']:.1f} ({e['decode_steps']} steps)")
+    row("  tokens computed in them (requests per step)",
+        lambda e: f"{e['decode_tokens']} ({e['decode_batch']:.2f})")
+    row("  steps those counts cover (the scheduler's line found)",
+        lambda e: f"{e['matched_steps']} of {e['prefill_steps'] + e['decode_steps']}")
+    row("other steps s (nothing computed)", lambda e: f"{e['other_s']:.1f} ({e['other_steps']} steps)")
+    row("connector hooks s, the proxy's cost in them: worker / scheduler",
+        lambda e: f"{e['connector_worker_s']:.1f} / {e['connector_scheduler_s']:.1f}")
+    row("between steps s (vLLM's scheduling, inputs, sampling, output; short pauses)",
+        lambda e: f"{e['between_steps_s']:.1f}")
+    row(f"pauses of {IDLE_GAP_S:g} s or more s (nothing to run, or a stall)", lambda e: f"{e['paused_s']:.1f}")
+    console.print(table)
 
 
 def _print_profile(console: Console, name: str, profile: dict) -> None:  # type: ignore[type-arg]
     table = Table(title=f"{name}: connector cost per engine step (first run)")
     table.add_column("")
-    kinds = list(profile)
+    kinds = [k for k in profile if k != "engine"]  # (the run's engine time: _print_engine)
     for kind in kinds:
         table.add_column(f"{kind} ({profile[kind]['steps']} steps)", justify="right")
 
@@ -249,8 +284,8 @@ def _print_profile(console: Console, name: str, profile: dict) -> None:  # type:
     row("all hooks ms, net of the proxy", lambda p: f"{p.get('hooks_net_ms', p['hooks_ms']):.3f}")
     row("share, net of the proxy", lambda p: "-" if p.get("hooks_net_share") is None
         else f"{100 * p['hooks_net_share']:.2f}%")
-    hooks = sorted({(side, h) for p in profile.values() for side in ("scheduler", "worker")
-                    for h in p[f"{side}_hooks_ms"]})
+    hooks = sorted({(side, h) for k in kinds for side in ("scheduler", "worker")
+                    for h in profile[k][f"{side}_hooks_ms"]})
     for side, h in hooks:
         row(f"  {side}: {h} ms", lambda p, side=side, h=h: f"{p[f'{side}_hooks_ms'].get(h, 0):.3f}")
     row("daemon round trips on the step's call thread (the loop waits only as counted below)", lambda p: f"{p['round_trips']:.2f}")

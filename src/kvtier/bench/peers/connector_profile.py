@@ -20,7 +20,11 @@ Per engine step it writes one JSON line to ``profile_dir/<role>-<pid>.jsonl``:
   ``decode`` when every scheduled request computes one;
 - worker side: the time of every worker hook between ``bind_connector_metadata`` and
   ``clear_connector_metadata``, and that span itself (the forward pass with the hooks in it);
-  the step's number and kind come with the metadata (an attribute the scheduler side sets).
+  the step's number and kind come with the metadata (an attribute the scheduler side sets),
+  with the scheduler's pid (``scheduler``: the key, with ``step``, of the scheduler's line).
+
+Every line carries ``t``, ``time.monotonic()`` when it was written (one clock for every
+process of the host): a worker line's span began at ``t - span_s``.
 
 When the wrapped connector has a ``profile_counters()`` method (cumulative numbers: daemon
 round trips and their seconds, bytes copied), each line carries their change since the line
@@ -102,7 +106,7 @@ class ProfiledConnector(KVConnectorBase_V1):
         self._hooks: dict[str, list[float]] = {}
         self._counters = self._read_counters()
         self._step = 0
-        self._bound: tuple[int, str] | None = None
+        self._bound: tuple[int, str, int] | None = None
         self._began = 0.0
         self._probe_s = self._calibrate()
 
@@ -139,6 +143,8 @@ class ProfiledConnector(KVConnectorBase_V1):
 
     def _emit(self, record: dict[str, Any]) -> None:
         record["probe_s"] = self._probe_s
+        record["t"] = round(time.monotonic(), 6)  # when written (CLOCK_MONOTONIC: one clock for
+        # every process of the host, so a run's window and the gaps between steps can be read off)
         now = self._read_counters()
         record["counters"] = {k: v - self._counters.get(k, 0) for k, v in now.items()}
         record["hooks"] = {k: [round(s, 7), int(n)] for k, (s, n) in self._hooks.items()}
@@ -152,16 +158,16 @@ class ProfiledConnector(KVConnectorBase_V1):
         if kind != "idle":
             self._step += 1
             try:
-                setattr(meta, STEP_ATTR, (self._step, kind))
+                setattr(meta, STEP_ATTR, (self._step, kind, os.getpid()))
             except AttributeError:  # (a metadata class with slots: the worker's line has no kind)
                 pass
-            self._emit({"side": "scheduler", "step": self._step, "kind": kind, "tokens": tokens,
+            self._emit({"side": "scheduler", "pid": os.getpid(), "step": self._step, "kind": kind, "tokens": tokens,
                         "requests": len(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})})
         return meta
 
     def bind_connector_metadata(self, connector_metadata) -> None:  # type: ignore[no-untyped-def]
         super().bind_connector_metadata(connector_metadata)
-        self._bound = getattr(connector_metadata, STEP_ATTR, (0, "unknown"))
+        self._bound = getattr(connector_metadata, STEP_ATTR, (0, "unknown", 0))
         self._hooks = {}  # (counters run on from the step before: background work counts too)
         self._began = time.perf_counter()
         self._timed("bind_connector_metadata", self.inner.bind_connector_metadata, connector_metadata)
@@ -170,9 +176,9 @@ class ProfiledConnector(KVConnectorBase_V1):
         self._timed("clear_connector_metadata", self.inner.clear_connector_metadata)
         super().clear_connector_metadata()
         if self._bound is not None:
-            step, kind = self._bound
+            step, kind, scheduler = self._bound
             self._bound = None
-            self._emit({"side": "worker", "step": step, "kind": kind,
+            self._emit({"side": "worker", "step": step, "kind": kind, "scheduler": scheduler,
                         "span_s": round(time.perf_counter() - self._began, 7)})
 
     def get_kv_connector_stats(self):  # type: ignore[no-untyped-def]
