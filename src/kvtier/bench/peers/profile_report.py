@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["KINDS", "engine_time", "summarize_profile"]
+__all__ = ["engine_time", "summarize_profile"]
 
 KINDS = ("decode", "decode, nothing moved", "prefill")
 IDLE_GAP_S = 0.2
@@ -55,6 +55,17 @@ def _counter(line: dict[str, object] | None, name: str) -> float:
     return float(((line or {}).get("counters") or {}).get(name, 0))  # type: ignore[union-attr]
 
 
+def _jsonl(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    """The lines of one of the proxy's files, less a line cut by a server killed mid-write."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def _worker_lines(directory: Path, since: float | None = None, until: float | None = None
                   ) -> tuple[list[dict], int]:  # type: ignore[type-arg]
     """The lines of the worker file with the most steps between ``since`` and ``until`` (steps
@@ -65,11 +76,7 @@ def _worker_lines(directory: Path, since: float | None = None, until: float | No
     files = 0
     for path in sorted(directory.glob("worker-*.jsonl")):
         lines = []
-        for line in path.read_text().splitlines():
-            try:
-                x = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a server that was killed mid-write
-                continue
+        for x in _jsonl(path):
             if "span_s" not in x:
                 continue
             if since is not None or until is not None:
@@ -89,11 +96,7 @@ def _scheduler_lines(directory: Path) -> dict[tuple[int, int], dict]:  # type: i
     """The scheduler's lines by (its pid, step): each engine-core process numbers its steps."""
     out: dict[tuple[int, int], dict] = {}  # type: ignore[type-arg]
     for path in sorted(directory.glob("scheduler-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                x = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for x in _jsonl(path):
             out[(int(x.get("pid", 0)), int(x.get("step", 0)))] = x
     return out
 
@@ -127,9 +130,14 @@ def engine_time(directory: Path, since: float | None = None, until: float | None
     Counts: steps of each kind, tokens computed in them and requests per decode step (over the
     ``matched_steps`` whose scheduler line was found), worker files in the window."""
     lines, files = _worker_lines(directory, since, until)
+    return _engine(lines, files, _scheduler_lines(directory))
+
+
+def _engine(lines: list[dict], files: int, scheduler: dict[tuple[int, int], dict]  # type: ignore[type-arg]
+            ) -> dict[str, float | int] | None:
+    """:func:`engine_time` of one worker's lines read already (``files``: worker files read)."""
     if not lines or any("t" not in x for x in lines):
         return None
-    scheduler = _scheduler_lines(directory)
     out: dict[str, float | int] = dict.fromkeys(
         ("prefill_s", "decode_s", "other_s", "connector_worker_s", "connector_scheduler_s",
          "between_steps_s", "paused_s"), 0.0)
@@ -171,7 +179,8 @@ def summarize_profile(directory: Path, since: float | None = None, until: float 
     docstring), and ``engine`` (:func:`engine_time`) when the lines carry their time; ``{}``
     when there are none."""
     scheduler = _scheduler_lines(directory)
-    workers = [x for x in _worker_lines(directory, since, until)[0] if int(x.get("step", 0)) > 0]
+    lines, files = _worker_lines(directory, since, until)
+    workers = [x for x in lines if int(x.get("step", 0)) > 0]
     out: dict[str, object] = {}
     for kind in KINDS:
         if kind == "decode, nothing moved":
@@ -227,7 +236,7 @@ def summarize_profile(directory: Path, since: float | None = None, until: float 
             "background_round_trip_ms": 1000 * bg_s / bg_trips if bg_trips else None,
             "bytes_copied": moved / n,
         }
-    engine = engine_time(directory, since, until) if out else None
+    engine = _engine(lines, files, scheduler) if out else None
     if engine is not None:
         out["engine"] = engine
     return out
