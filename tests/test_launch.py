@@ -1,10 +1,14 @@
 """`kvtier serve`: the daemon and vLLM's OpenAI server as one command. The slow tests share one
 real `kvtier serve` process on the tiny model: a two-turn chat through the official openai
 client whose second turn hits kvtier, then the daemon child is killed and the command must stop
-vLLM and fail, naming the daemon."""
+vLLM and fail, naming the daemon. How vLLM's KV cache is sized beside the arena on a CPU, and
+what a dead child's log is said to say, are tested on numbers and on a real log
+(tests/logs/vllm-cpu-memory-check.log: vLLM's log of the README's `kvtier serve` on this 24 GiB
+machine before kvtier sized vLLM's KV cache)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -13,12 +17,15 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from kvtier.bench.servers import free_port
 from kvtier.cli import main
+from kvtier.cli.serve import VLLMDevice
 from kvtier.launch import (
+    LOG_TAIL_CHARS,
     ChildDied,
     ServeStack,
     StackConfig,
@@ -26,11 +33,15 @@ from kvtier.launch import (
     VLLMSpec,
     refuse_owned_flags,
 )
+from kvtier.launch_args import CPU_KV_MAX, CPU_KV_MIN, cause_lines, cpu_kv_cache, kv_memory_set_by
 
 from .daemon_process import daemon_stats
 
 KVTIER = str(Path(sys.executable).with_name("kvtier"))
 CHUNK = 64
+LOGS = Path(__file__).parent / "logs"
+GiB = 1 << 30
+serve_cli = importlib.import_module("kvtier.cli.serve")  # (kvtier.cli.serve, the name, is the command)
 
 
 @pytest.mark.parametrize("flag", [
@@ -69,7 +80,88 @@ def test_a_daemon_that_cannot_start_is_named_and_vllm_is_never_started(tiny_mode
     with pytest.raises(ChildDied) as err:
         stack.start()
     assert err.value.name == "daemon" and "the kvtier daemon exited" in str(err.value)
+    why = f"Error: cannot create the socket {blocker}/kv.sock: {blocker} is not a writable directory"
+    assert err.value.causes == (why,)  # click's line; all of the log, the tail says it: said once
+    assert "went wrong" not in str(err.value)
     assert stack.vllm is None and stack.daemon is not None and stack.daemon.poll() is not None
+
+
+# -- what a dead child's log says -----------------------------------------------------------------
+
+def test_a_dead_vllms_message_ends_with_the_lines_of_its_log_that_name_the_cause():
+    log = (LOGS / "vllm-cpu-memory-check.log").read_text()
+    tail = log[-LOG_TAIL_CHARS:]
+    assert "ValueError" not in tail  # all the user was shown: the API server's traceback
+    causes = cause_lines(log)
+    assert [line.split("] ", 1)[-1][:48] for line in causes] == [
+        "WorkerProc failed to start.",
+        "ValueError: Available memory on node 0 (19.3/23.",
+        "EngineCore failed to start.",
+        "Exception: WorkerProc initialization failed due ",  # twice in the log: said once
+        "RuntimeError: Engine core initialization failed.",
+    ]
+    assert causes[1].startswith("(VllmWorker-0 pid=7450) ERROR")  # which process said it
+    message = str(ChildDied("vllm", 1, tail, causes))
+    assert message.startswith("vLLM exited (status 1); the end of its log:\n")
+    assert message.endswith("what its log says went wrong:\n" + "\n".join(f"  {line}" for line in causes))
+    assert "less than desired CPU memory utilization (0.92, 21.66 GiB)" in message
+
+
+@pytest.mark.parametrize(("log", "causes"), [
+    # vLLM's argparse refusing a flag (real), after its usage lines
+    (("usage: api_server.py [-h] [--headless]\n                     [model_tag]\n"
+      "api_server.py: error: unrecognized arguments: --nope\n"),
+     ["api_server.py: error: unrecognized arguments: --nope"]),
+    # the daemon's own ERROR record; INFO and WARNING records are not causes
+    (("2026-12-07 03:46:01,844 kvtier.server.daemon INFO kvtier store daemon serving /tmp/kv.sock\n"
+      "2026-12-07 03:46:02,001 kvtier.server.daemon WARNING slow disk\n"
+      "2026-12-07 03:46:03,120 kvtier.server.daemon ERROR the arena is gone\n"),
+     ["2026-12-07 03:46:03,120 kvtier.server.daemon ERROR the arena is gone"]),
+    # two processes' tracebacks interleaved line by line, a stray line inside one
+    (("(A pid=1) Traceback (most recent call last):\nTraceback (most recent call last):\n"
+      "(A pid=1)   File \"a.py\", line 1, in f\n  File \"b.py\", line 2, in g\n"
+      "Triton is installed, but doesn't include CPU backend. Disabling Triton.\n"
+      "(A pid=1) torch.OutOfMemoryError: out of memory\nKeyboardInterrupt\n"),
+     ["(A pid=1) torch.OutOfMemoryError: out of memory", "KeyboardInterrupt"]),
+    ("a clean exit\n", []),
+])
+def test_the_causes_are_traceback_ends_error_records_and_refusals(log, causes):
+    assert cause_lines(log) == causes
+
+
+# -- vLLM's KV cache on a CPU, beside the arena -----------------------------------------------------
+
+@pytest.mark.parametrize(("args", "env", "setting"), [
+    (["--dtype", "float32"], {}, None),
+    (["--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "64"], {}, None),  # not a size in bytes
+    (["--gpu-memory-utilization", "0.5"], {}, "--gpu-memory-utilization"),
+    (["--gpu_memory_utilization=0.5"], {}, "--gpu_memory_utilization=0.5"),
+    (["--gpu-mem", "0.5"], {}, "--gpu-mem"),  # argparse takes an abbreviation
+    (["--device-memory-utilization", "0.5"], {}, "--device-memory-utilization"),
+    (["--kv-cache-memory-bytes", "2G"], {}, "--kv-cache-memory-bytes"),
+    (["--kv-cache-mem=2G"], {}, "--kv-cache-mem=2G"),
+    (["--config", "serve.yaml"], {}, "--config"),  # its file may size it
+    (["--dtype", "float32"], {"VLLM_CPU_KVCACHE_SPACE": "2"}, "VLLM_CPU_KVCACHE_SPACE"),
+    (["--dtype", "float32"], {"VLLM_CPU_KVCACHE_SPACE": ""}, None),  # empty: unset, to vLLM too
+])
+def test_a_users_kv_memory_setting_is_found_in_any_spelling(args, env, setting):
+    assert kv_memory_set_by(args, env) == setting
+
+
+def test_vllms_kv_cache_on_a_cpu_is_half_of_what_the_arena_and_vllm_leave_at_most_4_gib():
+    # the README's 2 GiB arena on this 24 GiB machine, 22.6 GiB free; smollm2's 0.5 GiB of weights
+    plan = cpu_kv_cache(int(22.6 * GiB), 2 * GiB, 540_000_000)
+    assert plan.kv_bytes == CPU_KV_MAX == 4 * GiB
+    assert plan.args == ("--kv-cache-memory-bytes", str(4 * GiB))
+    assert ("its KV cache gets 4.0 GiB (--kv-cache-memory-bytes 4294967296) of 22.6 GiB free, less the 2.0 GiB "
+            "arena and about 3.0 GiB for vLLM itself") in plan.describe()
+    assert cpu_kv_cache(8 * GiB, 2 * GiB, GiB // 2).kv_bytes == 3 * GiB // 2  # (8 - 2 - 2 - 1) / 2
+    with pytest.raises(ValueError, match=r"Add --host-bytes 1024MiB \(a smaller arena\), or size vLLM's KV "
+                                         r"cache yourself after `--`, e.g. `-- --kv-cache-memory-bytes 512M`"):
+        cpu_kv_cache(6 * GiB, 2 * GiB, GiB // 2)  # (6 - 2 - 3) / 2 = 0.5 GiB: too little
+    assert cpu_kv_cache(6 * GiB, 1024 << 20, GiB // 2).kv_bytes == CPU_KV_MIN  # the arena it names fits
+    with pytest.raises(ValueError, match=r"\. Size vLLM's KV cache yourself"):
+        cpu_kv_cache(3 * GiB, 64 << 20, GiB // 2)  # no arena would do
 
 
 # -- one real `kvtier serve` for the slow tests ---------------------------------------------------
@@ -183,10 +275,24 @@ class FakeStack:
         pass
 
 
+class Probe:
+    """`kvtier serve`'s question to vLLM -- which device, and on a CPU how much memory is free --
+    answered with ``device``."""
+
+    device = VLLMDevice("cuda", None)
+    asked = 0
+
+    @classmethod
+    def answer(cls) -> VLLMDevice:
+        cls.asked += 1
+        return cls.device
+
+
 @pytest.fixture
 def fake_serve(monkeypatch, tmp_path):
     """`kvtier serve` in this process: a fake stack, no signal handlers touched, smollm2's build
-    a fake one (in a KVTIER_HOME of the test's own), and an empty hub cache."""
+    a fake one (in a KVTIER_HOME of the test's own), an empty hub cache, and vLLM's answer to
+    which device it runs on a fake one (a GPU unless a test says otherwise)."""
     from kvtier import launch
     from kvtier.engines import real_model
 
@@ -200,7 +306,9 @@ def fake_serve(monkeypatch, tmp_path):
     monkeypatch.setattr(real_model, "_build", build)
     monkeypatch.setattr(launch, "ServeStack", FakeStack)
     monkeypatch.setattr(signal, "signal", lambda *args: None)
-    FakeStack.configs = []
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # (other tests' modules set it here)
+    monkeypatch.setattr(serve_cli, "vllm_device", Probe.answer)
+    FakeStack.configs, Probe.device, Probe.asked = [], VLLMDevice("cuda", None), 0
     return real_model.model_path()
 
 
@@ -227,3 +335,59 @@ def test_kvtier_serve_refuses_bad_flags_before_it_builds_a_model(fake_serve):
         result = CliRunner().invoke(main, ["serve", "smollm2", *args])
         assert result.exit_code == 2, result.output
     assert not fake_serve.exists() and FakeStack.configs == []
+
+
+def test_on_a_cpu_kvtier_serve_gives_vllms_kv_cache_what_fits_beside_the_arena(fake_serve):
+    Probe.device = VLLMDevice("cpu", 22 * GiB)
+    result = CliRunner().invoke(main, ["serve", "smollm2", "--host-bytes", "2GiB", "--", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert FakeStack.configs[-1].vllm.args == (
+        "--kv-cache-memory-bytes", str(CPU_KV_MAX), "--served-model-name", "smollm2", "--dtype", "float32")
+    assert "vLLM runs on the CPU: its KV cache gets 4.0 GiB" in result.output and Probe.asked == 1
+
+
+@pytest.mark.parametrize("theirs", [["--gpu-memory-utilization", "0.5"], ["--gpu-mem=0.5"],
+                                    ["--kv_cache_memory_bytes", "1G"], ["--device-memory-utilization", "0.5"]])
+def test_a_users_own_kv_memory_setting_is_kept_and_vllm_is_not_asked(fake_serve, monkeypatch, theirs):
+    Probe.device = VLLMDevice("cpu", 22 * GiB)
+    assert CliRunner().invoke(main, ["serve", "smollm2", "--", *theirs]).exit_code == 0
+    assert FakeStack.configs[-1].vllm.args == ("--served-model-name", "smollm2", *theirs)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert CliRunner().invoke(main, ["serve", "smollm2"]).exit_code == 0
+    assert FakeStack.configs[-1].vllm.args == ("--served-model-name", "smollm2")
+    assert Probe.asked == 0
+
+
+def test_on_a_gpu_vllms_flags_are_left_as_they_are(fake_serve):
+    result = CliRunner().invoke(main, ["serve", "smollm2", "--host-bytes", "64GiB"])
+    assert result.exit_code == 0, result.output  # the arena is host memory; vLLM's is the GPU's
+    assert FakeStack.configs[-1].vllm.args == ("--served-model-name", "smollm2")
+    assert Probe.asked == 1 and "KV cache" not in result.output
+
+
+def test_when_vllms_kv_cache_cannot_fit_kvtier_serve_names_the_flag_before_starting_anything(fake_serve):
+    Probe.device = VLLMDevice("cpu", 5 * GiB)
+    result = CliRunner().invoke(main, ["serve", "smollm2", "--host-bytes", "2GiB"])
+    assert result.exit_code == 1 and FakeStack.configs == []
+    assert "Add --host-bytes 1024MiB (a smaller arena), or size vLLM's KV cache yourself after `--`, e.g. " \
+           "`-- --kv-cache-memory-bytes 512M`" in " ".join(result.output.split())
+    assert CliRunner().invoke(main, ["serve", "smollm2", "--host-bytes", "1024MiB"]).exit_code == 0
+    assert FakeStack.configs[-1].vllm.args[:2] == ("--kv-cache-memory-bytes", str(CPU_KV_MIN))
+
+
+def test_vllm_that_cannot_say_which_device_it_runs_on_is_named(tmp_path):
+    python = tmp_path / "python"  # a Python without vLLM, as kvtier serve would find it
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import vllm_is_not_here'\n")
+    python.chmod(0o755)
+    with pytest.raises(click.ClickException) as err:
+        serve_cli.vllm_device(str(python))
+    assert "ModuleNotFoundError: No module named 'vllm_is_not_here'" in err.value.message
+    assert "--kv-cache-memory-bytes or --gpu-memory-utilization" in err.value.message
+
+
+def test_the_weights_are_the_model_directorys_own_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "original").mkdir()  # another format's copy, which vLLM does not load
+    (tmp_path / "original" / "consolidated.pth").write_bytes(b"w" * 1000)
+    assert serve_cli.weights_bytes(tmp_path) == 100

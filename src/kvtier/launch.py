@@ -11,7 +11,10 @@ Order and failure contract:
 
 - start: daemon first, vLLM second; if either fails to come up, whatever was started is
   stopped and :class:`ChildDied` (or :class:`StartTimeout`) names the child and ends with the
-  tail of its log;
+  tail of its log, then (``ChildDied``) the lines of the whole log that say why it exited
+  (:func:`kvtier.launch_args.cause_lines`: a traceback's last line, ``ERROR`` records), which
+  the tail of vLLM's log often lacks: its root cause is logged by the worker, before the
+  engine core's and the API server's tracebacks that the tail holds;
 - stop (``stop()``, leaving the ``with`` block, or the supervisor's own exit): vLLM first, then
   the daemon, each with SIGTERM, then SIGKILL to its whole process group after ``grace_s``
   (vLLM's engine-core and worker processes are in the API server's group);
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -48,6 +51,7 @@ from kvtier.launch_args import (
     CONNECTOR_MODULE,
     OWNED_FLAGS,
     PROFILE_MODULE,
+    cause_lines,
     kv_transfer_config,
     profiled,
     refuse_owned_flags,
@@ -64,14 +68,20 @@ LOG_TAIL_CHARS = 3000
 
 
 class ChildDied(KVTierError, RuntimeError):
-    """A child process (``daemon`` or ``vllm``) exited; the message ends with its log's tail."""
+    """A child process (``daemon`` or ``vllm``) exited; the message holds its log's tail, then
+    ``causes``, the lines of its log that say why (None: those of the tail), unless the tail
+    holds them all."""
 
-    def __init__(self, name: str, returncode: int | None, log_tail: str) -> None:
+    def __init__(self, name: str, returncode: int | None, log_tail: str,
+                 causes: Sequence[str] | None = None) -> None:
         self.name = name
         self.returncode = returncode
         self.log_tail = log_tail
+        self.causes = tuple(cause_lines(log_tail) if causes is None else causes)
         label = {"daemon": "the kvtier daemon", "vllm": "vLLM"}.get(name, name)
-        super().__init__(f"{label} exited (status {returncode}); the end of its log:\n{log_tail}")
+        shown = all(line in log_tail for line in self.causes)  # (a short log: the tail is all of it)
+        why = "" if shown else "\n\nwhat its log says went wrong:" + "".join(f"\n  {c}" for c in self.causes)
+        super().__init__(f"{label} exited (status {returncode}); the end of its log:\n{log_tail.rstrip()}{why}")
 
 
 class StartTimeout(KVTierError, RuntimeError):
@@ -190,14 +200,18 @@ class _Child:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+    def text(self) -> str:
         try:
-            return self.log.read_text(errors="replace")[-chars:]
+            return self.log.read_text(errors="replace")
         except OSError:
             return "(no log)"
 
+    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return self.text()[-chars:]
+
     def died(self) -> ChildDied:
-        return ChildDied(self.name, self.proc.returncode, self.tail())
+        text = self.text()
+        return ChildDied(self.name, self.proc.returncode, text[-LOG_TAIL_CHARS:], cause_lines(text))
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL to the process group after ``grace_s``; whatever is left of
