@@ -18,8 +18,10 @@ itself decides on top of the files:
   engines of one model with different context limits share chunks.
 
 What is not in it, because it does not change KV for given ids: the tokenizer and its revision,
-the generation config, sampling, the served name. The page format (attention backend, block
-size, shard) is the namespace's own part (:mod:`.pages`).
+the generation config, sampling, the served name. How the KV is laid out in vLLM's pages --
+vLLM's release, the attention backend, the ISA vLLM's CPU attention picks on the machine, the
+KV dtype as stored, the block size, the shard -- is the namespace's other part, the page format
+(:mod:`.pages`), which is added to this id even when ``model_id`` names it by hand.
 """
 
 from __future__ import annotations
