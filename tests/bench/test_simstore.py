@@ -62,6 +62,24 @@ def test_a_run_held_in_one_tier_is_promoted_in_one_batch_when_dram_takes_it_whol
     assert small.placement.stats.promotions == 0 and small.placement.index.fastest(k(0)) == 1
 
 
+def test_a_promotion_with_a_deadline_begins_no_run_after_it():
+    """The daemon's acquire promotes a hit's remote run within the client's budget: a slow tier
+    below must not hold the answer past it (runs already begun finish; none starts after)."""
+    import time
+
+    place = SimStore(SimConfig("lru", dram_chunks=4, ssd_chunks=8))
+    place.save([k(0), k(1), k(2), k(3)])
+    place.save([k(4), k(5), k(6), k(7)])  # 0-3 go down to SSD
+    batches: list[int] = []
+    real = place.mover.copy_many
+    place.mover.copy_many = lambda moves: batches.append(len(moves)) or real(moves)
+    keys = [k(i) for i in range(4)]
+    assert place.placement.promote_prefix(keys, level=1, batch=2, deadline=time.monotonic() - 1) == 0
+    assert batches == [] and place.placement.index.fastest(k(0)) == 1
+    assert place.placement.promote_prefix(keys, level=1, batch=2, deadline=time.monotonic() + 60) == 4
+    assert batches == [2, 2]
+
+
 @pytest.mark.parametrize("kw", [{"policy": "mru"}, {"dram_chunks": 0}, {"ssd_chunks": -1}])
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):

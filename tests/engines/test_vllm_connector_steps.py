@@ -19,7 +19,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.core.layout import KVLayout
 from kvtier.engines.vllm.pages import adapter_for
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 from kvtier.engines.vllm.scheduler import SchedulerSide
@@ -27,94 +26,7 @@ from kvtier.engines.vllm.worker import WorkerSide
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
-BLOCK = 4
-CHUNK = 8  # 2 blocks a chunk
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32", chunk_tokens=CHUNK)
-NUM_BLOCKS = 64
-
-
-def key(i: int) -> bytes:
-    return bytes([i]) * 16
-
-
-class FakeLease:
-    def __init__(self, keys, views, request):
-        self.keys, self.views, self.request = list(keys), views, request
-
-
-class FakeClient:
-    """Acquire gives ``give[request]`` chunks of a load (default all), filled with ``fill``;
-    release reports the lease intact unless the request is in ``lose``."""
-
-    def __init__(self, give=None, lose=()):
-        self.give, self.lose = give or {}, set(lose)
-        self.committed: list[tuple[str, list[bytes]]] = []
-        self.abandoned: list[str] = []
-        self.released: list[dict] = []
-        self.stored: dict[bytes, torch.Tensor] = {}
-
-    @staticmethod
-    def sizes(keys, tail_tokens):
-        sizes = [LAYOUT.chunk_bytes] * len(keys)
-        if tail_tokens:
-            sizes[-1] = LAYOUT.part_bytes(tail_tokens)  # a partial chunk is its own size
-        return sizes
-
-    def acquire(self, keys, first=0, request=None, tail_tokens=0):
-        n = self.give.get(request, len(keys))
-        if n == 0:
-            return None
-        views = [self.stored.get(k, torch.zeros(size, dtype=torch.uint8))
-                 for k, size in zip(keys[:n], self.sizes(keys, tail_tokens))]
-        return FakeLease(keys[:n], views, request)
-
-    def release(self, lease, **report):
-        self.released.append({"request": lease.request, **report})
-        return lease.request not in self.lose
-
-    def reserve(self, keys, first=0, request=None, tail_tokens=0):
-        return FakeLease(keys, [torch.zeros(size, dtype=torch.uint8) for size in self.sizes(keys, tail_tokens)],
-                         request)
-
-    def commit(self, lease):
-        self.committed.append((lease.request, list(lease.keys)))
-        self.stored.update(zip(lease.keys, lease.views, strict=True))
-
-    def abandon(self, lease):
-        self.abandoned.append(lease.request)
-
-
-def worker(client, inline: bool | None = None) -> WorkerSide:
-    w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), inline=inline)
-    kv = {f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(LAYOUT.num_layers)}  # CPU layout
-    w.register(kv, NUM_BLOCKS)
-    assert w.enabled
-    return w
-
-
-def step(w: WorkerSide, meta: KVTierMetadata, *, loads_after_forward=False, errors_first=False) -> set[int]:
-    """One step as vLLM's model runner drives it; returns the blocks reported as load errors."""
-    w.bind(meta)
-    if not loads_after_forward:
-        w.start_load_kv()
-    errors: set[int] = set()
-    for i, kv in enumerate(w.kv):
-        w.wait_for_layer_load(f"l{i}")
-        w.save_kv_layer(f"l{i}", kv)
-    if loads_after_forward:
-        w.start_load_kv()
-    if errors_first:  # speculative decoding: vLLM asks before the deferred wait_for_save, and
-        errors = w.get_block_ids_with_load_errors()  # not again in this step
-        w.wait_for_save()
-        w._calls.drain()  # the step's commits, which it does not wait for
-        return errors
-    w.wait_for_save()
-    w._calls.drain()
-    return w.get_block_ids_with_load_errors()
-
-
-def load(rid, keys, blocks, first=0, skip=0, tail=0) -> Transfer:
-    return Transfer(rid, keys, first, blocks, skip_blocks=skip, tail_blocks=tail)
+from .vllm_fakes import BLOCK, CHUNK, LAYOUT, NUM_BLOCKS, FakeClient, key, load, step, worker
 
 
 def test_a_request_sharing_a_failed_block_in_the_same_step_saves_nothing_computed_over_it():
@@ -194,39 +106,6 @@ def test_a_forward_pass_that_raised_commits_nothing_though_vllm_ends_the_step():
     assert client.committed == []  # B attended to what the failed step computed
 
 
-def test_the_ranks_of_a_tensor_parallel_group_agree_on_every_commit():
-    """Rank 1 lost its shard of A's load; rank 0 did not. Both must abandon A's save (each
-    rank's KV depends on every other's), and both must take part in every agreement."""
-    import threading
-
-    barrier, votes = threading.Barrier(2), {}
-
-    def agree_as(rank):
-        def agree(flags):
-            votes[rank] = list(flags)
-            barrier.wait(timeout=10)
-            return [all(v[i] for v in votes.values()) for i in range(len(flags))]
-        return agree
-
-    clients = [FakeClient(), FakeClient(give={"A": 1})]
-    workers = []
-    for rank, client in enumerate(clients):
-        w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), agree_as(rank))
-        w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(2)}, NUM_BLOCKS)
-        workers.append(w)
-    blocks = [0, 1, 2, 3, 4, 5]
-    meta = KVTierMetadata(loads=[load("A", [key(0), key(1)], blocks[:4])],
-                          saves=[Transfer("A", [key(2)], 2, blocks)], writes=[Write("A", blocks, 16, 24)])
-    threads = [threading.Thread(target=step, args=(w, meta)) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert votes == {0: [True], 1: [False]}
-    assert clients[0].committed == [] and clients[0].abandoned == ["A"]
-    assert clients[1].committed == []
-
-
 @pytest.mark.parametrize("inline", [True, False], ids=["copied-inline", "copied-on-a-thread"])
 def test_only_the_blocks_vllm_lacks_are_loaded_and_counted(inline):
     client = FakeClient()
@@ -279,7 +158,7 @@ def test_a_suspect_finished_request_is_reported_done_without_a_save():
 def test_a_worker_whose_kv_is_not_in_the_named_layout_misses_and_frees_everything():
     client = FakeClient()
     w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("FLASH_ATTN"))
-    w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(2)}, NUM_BLOCKS)
+    w.register({f"l{i}": torch.zeros(2, NUM_BLOCKS, BLOCK, 1, 2) for i in range(2)}, NUM_BLOCKS)  # (not a layout vLLM hands over)
     assert not w.enabled
     failed = step(w, KVTierMetadata(loads=[load("A", [key(0)], [0, 1])],
                                     finishes=[Transfer("F", [key(1)], 0, [2, 3])]))

@@ -34,6 +34,7 @@ it only if nobody pinned it meanwhile (then it stays, now with a copy below).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -299,7 +300,8 @@ class Placement:
             done += leading
         return done
 
-    def promote_prefix(self, keys: Sequence[ChunkKey], level: int | None = None, batch: int = 16) -> int:
+    def promote_prefix(self, keys: Sequence[ChunkKey], level: int | None = None, batch: int = 16,
+                       deadline: float | None = None) -> int:
         """Promote the held prefix of ``keys`` into DRAM, runs of consecutive chunks held in the
         same lower tier ``batch`` at a time (:meth:`promote_many`); stops at the first chunk held
         nowhere or not promoted. How many of ``keys`` from the first are in DRAM now.
@@ -307,9 +309,12 @@ class Placement:
         With ``level`` (a load about to read ``keys``): only runs whose fastest copy is in that
         tier, and only runs DRAM takes whole (the others are left where they are); the whole
         held prefix stays pinned where it is meanwhile, so that making room for one run never
-        evicts another chunk of it. Returns how many were promoted."""
+        evicts another chunk of it. Returns how many were promoted.
+
+        ``deadline`` (``time.monotonic()``): no run is begun after it (a caller answering
+        within a budget -- the daemon's acquire -- gets what came up by then)."""
         if level is None:
-            return self._promote_runs(keys, None, batch)
+            return self._promote_runs(keys, None, batch, deadline)
         index, mover = self.index, self.mover
         by_level: dict[int, list[ChunkKey]] = {}
         for key in keys:
@@ -320,14 +325,17 @@ class Placement:
         pins = [(lvl, key) for lvl, ks in by_level.items()
                 for key, ok in zip(ks, mover.pin_many(lvl, ks), strict=True) if ok]
         try:
-            return self._promote_runs(keys[: sum(map(len, by_level.values()))], level, batch)
+            return self._promote_runs(keys[: sum(map(len, by_level.values()))], level, batch, deadline)
         finally:
             for lvl, key in pins:
                 mover.unpin(lvl, key)
 
-    def _promote_runs(self, keys: Sequence[ChunkKey], level: int | None, batch: int) -> int:
+    def _promote_runs(self, keys: Sequence[ChunkKey], level: int | None, batch: int,
+                      deadline: float | None = None) -> int:
         index, n, promoted = self.index, 0, 0
         while n < len(keys):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             found = index.fastest(keys[n])
             if found is None:
                 break

@@ -47,7 +47,7 @@ class CacheReads:
         with self._section, self._shaped(entry, tenant, last):
             if self.remote_level is not None:  # a run held in the remote tier: one round trip
                 lost = self.placement.stats.lost
-                self.placement.promote_prefix(keys, level=self.remote_level)
+                self.placement.promote_prefix(keys, level=self.remote_level, deadline=deadline)
                 self.stats.load_failures += self.placement.stats.lost - lost
             host, index = self.host, self.index
             prefix = index.longest_prefix(keys)

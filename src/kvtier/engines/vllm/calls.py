@@ -12,6 +12,11 @@ holds is then ended there (a lease that came back late is released or abandoned:
 no lease is left behind and none is sent again behind the caller's back. While a call has been
 running for longer than the loop would wait, the daemon is taken as stalled: further waits are
 skipped at once (a miss now, not one bounded wait per request of the step).
+
+Waits add up: a step may hold several loads and saves, each with a call the loop would wait
+for. :meth:`Calls.begin_step` gives the step one budget for all of them: every wait is cut to
+what is left of it, so the loop never waits on the daemon longer than that in one step, however
+many calls the step makes (what is not back by then is a miss).
 """
 
 from __future__ import annotations
@@ -45,10 +50,21 @@ class Calls:
         """Calls whose result the loop stopped waiting for."""
         self.skipped = 0
         """Waits skipped at once because the daemon was stalled."""
+        self._left: float | None = None
+        """What is left of the step's budget for waits (None: no budget, each wait its own)."""
         self.waits = 0
         self.wait_s = 0.0
         """Times the caller (vLLM's engine loop) blocked on a call not done yet, and the seconds
         it blocked in all: what a profile counts as the loop waiting on the daemon."""
+
+    def begin_step(self, budget_s: float | None) -> None:
+        """A new step: its waits, all together, last at most ``budget_s`` (None: no budget)."""
+        self._left = budget_s
+
+    @property
+    def left(self) -> float:
+        """Seconds of the step's budget not waited yet (inf without a budget)."""
+        return float("inf") if self._left is None else self._left
 
     def stalled(self, after_s: float) -> bool:
         """Whether a call has been running for longer than ``after_s`` (the daemon is slow or
@@ -90,12 +106,17 @@ class Calls:
              late: Callable[[T], None] | None = None) -> T:
         """``future``'s result if it is done within ``wait_s``, else ``default``; a result that
         comes after that is passed to ``late`` (on the calls' thread), which ends whatever it
-        holds. A call that raised is ``default``."""
+        holds. A call that raised is ``default``. ``wait_s`` is cut to what is left of the
+        step's budget (:meth:`begin_step`), and the wait taken from it."""
+        wait_s = min(wait_s, self.left)
         if not future.done() and wait_s > 0:
             t0 = time.perf_counter()
             futures_wait([future], timeout=wait_s)
+            waited = time.perf_counter() - t0
             self.waits += 1  # (the caller's thread only)
-            self.wait_s += time.perf_counter() - t0
+            self.wait_s += waited
+            if self._left is not None:
+                self._left = max(0.0, self._left - waited)
         try:
             return future.result(timeout=0)
         except FutureTimeout:

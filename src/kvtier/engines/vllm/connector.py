@@ -15,8 +15,9 @@ worker's (:mod:`.worker`, next to the model) -- are clients of that daemon and n
 namespace in their hello: the model's fingerprint and what vLLM decides on top of its files
 (revision, effective HF config with ``hf_overrides``, quantization, dtype, KV cache dtype:
 :mod:`.namespace`; extra config ``model_id`` overrides it), the KV layout vLLM's config implies in chunks of ``chunk_tokens``
-(extra config, default 256, rounded up to whole vLLM blocks), and the page format (attention
-backend, dtype, block size, tensor- and pipeline-parallel shard: :mod:`.pages`). A request's
+(extra config, default 256, rounded up to whole vLLM blocks), and the page format (vLLM's
+release, attention backend, the CPU attention ISA vLLM picks on this machine, KV dtype, block
+size, tensor- and pipeline-parallel shard: :mod:`.pages`). A request's
 ``cache_salt`` is chained into its keys.
 
 A daemon that is down, dies or restarts costs hits, never a request: lookups then miss, and
@@ -38,8 +39,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.core.layout import KVLayout
 from kvtier.engines.vllm.events import DEFAULT_MAX_CHUNKS, KVEvents, Poller
 from kvtier.engines.vllm.namespace import engine_model_id
-from kvtier.engines.vllm.pages import adapter_for, page_format
+from kvtier.engines.vllm.pages import adapter_for, engine_page_format
 from kvtier.engines.vllm.plan import KVTierMetadata
+from kvtier.engines.vllm.request_state import skipped
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.engines.vllm.stats import Deltas, KVTierPromMetrics, KVTierStats
 from kvtier.engines.vllm.worker import WorkerSide
@@ -107,21 +109,6 @@ def _probe_or_raise(client: StoreClient):  # type: ignore[no-untyped-def]
     return probe
 
 
-def _tp_agree():  # type: ignore[no-untyped-def]
-    """``agree(flags)``: the elementwise AND of ``flags`` over the tensor-parallel group."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_tp_group
-
-    group = get_tp_group().cpu_group
-
-    def agree(flags: list[bool]) -> list[bool]:
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        return [bool(v) for v in t.tolist()]
-
-    return agree
-
-
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -145,10 +132,9 @@ class KVTierConnector(KVConnectorBase_V1):
         # looks up rank 0's (a rank missing a chunk reports its blocks as load errors).
         tp_rank, pp_rank = _ranks(role)
         self.backend = attention_backend(vllm_config)
-        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
-        fmt = page_format(self.backend, self.layout.dtype if cache_dtype == "auto" else f"kv{cache_dtype}",
-                          self.block_size, tp_rank, tp_size)
-        self.page_format = fmt + (f"-pp{pp_rank}of{pp_size}" if pp_size > 1 else "")
+        # (vLLM's release, backend, CPU ISA, KV dtype, block size, shard: :mod:`.pages`; an engine
+        # whose pages no format can name -- context parallel, run-time KV scales -- is refused)
+        self.page_format = engine_page_format(vllm_config, self.backend, tp_rank, pp_rank)
         retry_s = _seconds(cfg, "retry_s", 1.0)
         wait_s = _seconds(cfg, "wait_ms", 20.0) / 1000
         load_wait_s = _seconds(cfg, "load_wait_ms", 1000.0) / 1000
@@ -180,15 +166,16 @@ class KVTierConnector(KVConnectorBase_V1):
             except ValueError as exc:
                 log.error("kvtier: %s; disabled", exc)
                 adapter = None
+            # every rank whose KV a chunk depends on votes before any commits (:mod:`.votes`)
             self.worker = WorkerSide(self.client, self._other, self.layout, self.block_size, adapter,
-                                     _tp_agree() if tp_size > 1 else None, wait_s=wait_s,
-                                     load_wait_s=load_wait_s)
+                                     ranks=tp_size * pp_size, wait_s=wait_s, load_wait_s=load_wait_s)
         else:
             load_async = cfg.get_from_extra_config("load_async", False)
             if not isinstance(load_async, bool):
                 raise ValueError(f"kv_connector_extra_config.load_async must be true or false, got {load_async!r}")
             self.scheduler = SchedulerSide(self.client, self._other, self.block_size, load_async,
-                                           wait_s=wait_s, lookup_deadline_s=lookup_deadline_s)
+                                           wait_s=wait_s, lookup_deadline_s=lookup_deadline_s,
+                                           ranks=tp_size * pp_size)
             self.scheduler.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0) or self.block_size)
             kec = getattr(vllm_config, "kv_events_config", None)
             if kec is not None and kec.enable_kv_cache_events:
@@ -237,6 +224,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request) -> bool:  # type: ignore[no-untyped-def]
+        """Whether the request may load between steps (vLLM 0.34+; its in-flight load limit
+        counts it): with extra config ``load_async``, a request of a block or more not opted
+        out. The lookup sent on arrival is not back when vLLM asks: a miss then holds other
+        async loads back one step, as vLLM's docs say a false positive does."""
+        return (self.scheduler is not None and self.scheduler.load_async and not skipped(request)
+                and len(request.all_token_ids) > self.block_size)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # type: ignore[no-untyped-def]
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -262,6 +257,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        """Votes or verdicts of an engine of several ranks still on their way: vLLM steps on
+        until they arrive (:mod:`.votes`)."""
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def take_events(self):  # type: ignore[no-untyped-def]
         """KV events of what kvtier can load (:mod:`.events`), when vLLM publishes them."""
@@ -298,6 +298,23 @@ class KVTierConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: vLLM never waits for it to deliver
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # type: ignore[no-untyped-def]
+        return True  # (vLLM 0.33+) the worker half lets go of the KV cache: unregister_kv_caches
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):  # type: ignore[no-untyped-def]
+        """(vLLM 0.34+) In process: kvtier's workers gather and scatter pages with torch
+        (:mod:`.pages`) to and from host memory; nothing registers, exports or shares vLLM's KV
+        memory, so any allocation serves (the extensible KV cache included)."""
+        from vllm.config.kv_transfer import KVCacheAccess  # (0.34+, the only versions that ask)
+
+        return KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:  # type: ignore[no-untyped-def]
+        return False  # (vLLM 0.34+) kvtier's keys and KV events hash a block's own tokens only
+
     # ======================================================================= worker side
     def _work(self) -> WorkerSide:
         assert self.worker is not None, "a worker-side call in the scheduler"
@@ -315,6 +332,17 @@ class KVTierConnector(KVConnectorBase_V1):
                            "(the page format the scheduler's keys name)")
                 break
         self._work().register(kv_caches, num_blocks, problem)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM frees the KV cache's memory (sleep; vLLM 0.33+): copies drained, then every load
+        misses and nothing is saved until ``restore_kv_caches`` (:mod:`.sleep`). Idempotent."""
+        if self.worker is not None:
+            self.worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache is backed again (wake-up; vLLM 0.33+). Idempotent."""
+        if self.worker is not None:
+            self.worker.restore()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -40,8 +40,7 @@ class Loads:
             self._send_reserves()
             return
         plan: list[tuple[Transfer, list[torch.Tensor]]] = []
-        for load in loads:
-            lease = self._acquire(load) if load.keys else None
+        for load, lease in zip(loads, self._acquire_all(loads), strict=True):
             views = lease.views if lease is not None else []
             if lease is not None:
                 self._leases.append((load, lease))
@@ -98,10 +97,17 @@ class Loads:
             assert self._copier is not None
             self._copier.sync()
         c = self.layout.chunk_tokens
-        for load, lease in self._leases:
+        releases = []
+        for load, lease in self._leases:  # sent together, then waited for together
             took = self._took(load, len(lease.views))
             had = sum(c - t for t in took) if not load.tail_blocks else 0
-            intact = self._release(lease, took, had, len(lease.views) if self._copy_failed else 0)
+            failed = len(lease.views) if self._copy_failed else 0
+            releases.append(self._calls.submit(
+                lambda lease=lease, took=took, had=had, failed=failed:
+                self.client.release(lease, took=took, had=had, failed=failed)))
+        for (load, lease), future in zip(self._leases, releases, strict=True):
+            # confirmed intact within what is left of the step's budget, else unsure: a miss
+            intact = self._calls.wait(future, self.load_wait_s, False) is True
             blocks = load.lacking_ids(range(len(lease.views)), self.per_chunk)
             if not intact or self._copy_failed:
                 self._fail(blocks)
@@ -147,9 +153,16 @@ class Loads:
                                 pages = self._lacking_pages(view, layer, kv, load, j, idx)
                                 self._copier.load_now(kv, self.adapter, ids, pages, after)
                         good += [load.block_ids[i] for i in idx]
-                    self._copier.sync_now()
                     copied = True
                 finally:
+                    # every copy queued lands before the pins end, whatever failed (a device
+                    # copy still reading a slot the daemon reuses would land torn bytes in a
+                    # block vLLM computes again)
+                    try:
+                        self._copier.sync_now()
+                    except Exception:
+                        copied = False
+                        log.exception("kvtier: waiting for request %s's copies failed", load.req_id)
                     took = self._took(load, len(lease.views))
                     intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views))
                     if not (intact and copied):
@@ -164,23 +177,24 @@ class Loads:
                 self._landed.append((good, bad))
                 self._received.add(load.req_id)
 
-    def _acquire(self, load: Transfer) -> ReadLease | None:
-        """A read lease for ``load`` within ``load_wait_s``, else None (its blocks fail)."""
-        got = self._calls.call(
-            lambda: self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
-                                        tail_tokens=self._tail_tokens(load)),
-            self.load_wait_s, _LATE, late=lambda lease: self._end_late_read(lease))
-        return None if got is _LATE else got  # type: ignore[return-value]
+    def _acquire_all(self, loads: list[Transfer]) -> list[ReadLease | None]:
+        """A read lease for each of ``loads``: the acquires sent together, then waited for
+        within what is left of the step's budget; None where none came in time (its blocks
+        fail; a lease that comes later is released at once). While the daemon is stalled,
+        none is sent."""
+        if self._calls.stalled(self.load_wait_s):
+            return [None] * len(loads)
+        futures = [self._calls.submit(
+            lambda load=load: self.client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
+                                                  tail_tokens=self._tail_tokens(load)))
+            if load.keys else None for load in loads]
+        out: list[ReadLease | None] = []
+        for future in futures:
+            got = _LATE if future is None else self._calls.wait(
+                future, self.load_wait_s, _LATE, late=self._end_late_read)
+            out.append(None if got is _LATE else got)  # type: ignore[arg-type]
+        return out
 
     def _end_late_read(self, lease: ReadLease | None) -> None:
         if lease is not None:  # nothing was copied through it
             self.client.release(lease, took=[0] * len(lease.keys))
-
-    def _release(self, lease: ReadLease, took: list[int], had: int, failed: int) -> bool:
-        """Whether the daemon confirms the lease intact within ``load_wait_s`` (else, unsure:
-        its blocks fail)."""
-        got = self._calls.call(lambda: self.client.release(lease, took=took, had=had, failed=failed),
-                               self.load_wait_s, _LATE)
-        if got is _LATE and not lease.ended:  # never sent (the daemon is stalled): it still must be
-            self._calls.submit(lambda: lease.ended or self.client.release(lease, took=[0] * len(lease.keys)))
-        return got is True

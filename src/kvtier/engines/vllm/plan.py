@@ -30,6 +30,9 @@ class Transfer:
     tail_blocks: int = 0
     background: bool = False
     """Loads: between steps, reported through ``get_finished`` (vLLM's async loading)."""
+    vote: int = 0
+    """Saves and finishes of an engine of several ranks: the ballot every rank votes on before
+    any commits (:mod:`.votes`); 0 with one rank (committed at once)."""
 
     def blocks(self, j: int, per_chunk: int) -> range:
         """Indices into ``block_ids`` of the blocks of ``keys[j]``."""
@@ -88,19 +91,30 @@ class KVTierMetadata(KVConnectorMetadata):
     """Chunks of finished requests (their blocks kept until saved): saved in the background,
     the request reported through ``get_finished`` when done."""
     writes: list[Write] = field(default_factory=list)
+    verdicts: dict[int, bool] = field(default_factory=dict)
+    """Ballot -> whether every rank voted to commit it (:mod:`.votes`): each rank then commits
+    (True) or abandons (False) what it holds for it."""
 
 
 @dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """What a worker tells the scheduler half after a step (vLLM aggregates the ranks' and
-    hands it to ``update_connector_output``)."""
+    """What a worker tells the scheduler half after a step (vLLM aggregates every rank's --
+    each tensor- and pipeline-parallel rank -- and hands the result to
+    ``update_connector_output``)."""
 
     unsaved: dict[str, int] = field(default_factory=dict)
-    """Request -> the first chunk of a save this step planned but skipped because the daemon
-    did not answer in time: the scheduler plans it again (the request's blocks still hold it)."""
+    """Request -> the first chunk of a save this step planned but did not store (the daemon
+    did not answer in time, or another writer was writing a chunk of it): the scheduler plans
+    it again (the request's blocks still hold it)."""
+    votes: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    """Ballot -> (ranks that voted, whether all of them voted to commit)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
         out = dict(self.unsaved)
         for rid, first in getattr(other, "unsaved", {}).items():
             out[rid] = min(first, out.get(rid, first))
-        return KVTierWorkerMeta(out)
+        votes = dict(self.votes)
+        for ballot, (n, ok) in getattr(other, "votes", {}).items():
+            had_n, had_ok = votes.get(ballot, (0, True))
+            votes[ballot] = (had_n + n, had_ok and ok)
+        return KVTierWorkerMeta(out, votes)

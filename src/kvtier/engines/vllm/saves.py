@@ -5,6 +5,7 @@ daemon did not answer in time is skipped and reported to the scheduler, which pl
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 
@@ -12,6 +13,8 @@ from kvtier.engines.vllm.calls import _LATE
 from kvtier.engines.vllm.plan import Transfer
 from kvtier.server.client import StoreClient
 from kvtier.server.lease_client import WriteLease
+
+log = logging.getLogger(__name__)
 
 
 class Saves:
@@ -30,12 +33,21 @@ class Saves:
                 tail_tokens=self._tail_tokens(save))
             if lease is None or not lease.views:
                 return  # no room at all now (everything pinned), or the daemon is away
-            self._copy_whole(save, done, lease, background=True)
-            self._copier.sync_saves(background=True)
+            try:
+                self._copy_whole(save, done, lease, background=True)
+                self._copier.sync_saves(background=True)
+            except BaseException:  # the lease ends here whatever happened (its slots go back)
+                if in_step:
+                    self._calls.submit(lambda lease=lease: client.abandon(lease))
+                else:
+                    client.abandon(lease)
+                raise
             if in_step:
                 self._calls.submit(lambda lease=lease: client.commit(lease))
+                self._report_busy(save, lease, done)
             else:
                 client.commit(lease)
+                self._busy_chunks(save, lease, done)
             done += len(lease.views)
 
     def _send_reserve(self, save: Transfer) -> Future | None:
@@ -100,7 +112,12 @@ class Saves:
         if failed or self._is_suspect(save) or self._copier is None:
             self._calls.submit(lambda: self.client.abandon(lease))
             return None
-        self._copy_whole(save, 0, lease)
+        try:
+            self._copy_whole(save, 0, lease)
+        except Exception:  # never committed: its slots go back
+            log.exception("kvtier: copying request %s's chunks into the arena failed", save.req_id)
+            self._calls.submit(lambda: self.client.abandon(lease))
+            return None
         return lease
 
     def _copy_whole(self, save: Transfer, done: int, lease: WriteLease, background: bool = False) -> int:
@@ -122,9 +139,38 @@ class Saves:
     def _skipped(self, save: Transfer, done: int) -> None:
         """A save (from chunk ``done`` on) skipped because the daemon did not answer in time:
         reported to the scheduler, which plans it again (:meth:`take_meta`)."""
+        self._replan(save, done)
+        self.saves_skipped += 1
+
+    def _replan(self, save: Transfer, done: int) -> None:
+        """Tell the scheduler to plan chunks ``done...`` of ``save`` again (its next step's
+        plan reserves them again; those stored meanwhile come back held)."""
         first = save.first_chunk + done
         self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
-        self.saves_skipped += 1
+
+    @staticmethod
+    def _busy(lease: WriteLease) -> list[int]:
+        """Indices of ``lease``'s chunks another writer was writing: no slot, and not held."""
+        return [j for j, (view, held) in enumerate(zip(lease.views, lease.held, strict=True))
+                if view is None and not held]
+
+    def _report_busy(self, save: Transfer, lease: WriteLease, done: int) -> None:
+        """Chunks another writer was writing (``lease`` covers chunks ``done...`` of ``save``)
+        are not stored by this save: the scheduler plans them again -- if the other writer
+        commits, they are then held; if it abandons, this request writes them. BUSY is never
+        taken for stored."""
+        busy = self._busy(lease)
+        if busy:
+            self.chunks_busy += len(busy)
+            self._replan(save, done + busy[0])
+
+    def _busy_chunks(self, save: Transfer, lease: WriteLease, done: int) -> None:
+        """A finished request's chunks another writer was writing: kept in ``save``'s list of
+        chunks to ask for again once its other chunks are saved (:mod:`.finished_saves`)."""
+        busy = self._busy(lease)
+        if busy:
+            self.chunks_busy += len(busy)
+            self._retry.setdefault(save.req_id, set()).update(done + j for j in busy)
 
     def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
         """Slots for chunks ``done...`` of ``save`` within ``wait_s``; None if there are none

@@ -27,8 +27,13 @@ round of a save that found DRAM short), a decode step only after its pass.
 What may be saved: a block is *suspect* when its load failed, or when it was computed over a
 suspect block (vLLM's prefix cache shares blocks between requests, and a step scheduled before
 a failure was known computes over it too), until a step computes it again from its first token.
-A save whose blocks include a suspect one is never committed, on any rank: the ranks of a
-tensor-parallel group agree on every commit, since each rank's KV depends on every other's.
+A save whose blocks include a suspect one is never committed, on any rank: in an engine of
+several ranks (tensor- and pipeline-parallel) every rank votes on every save, and each commits
+only once all have said yes (:mod:`.votes`), since each rank's KV depends on every other's.
+
+The step's daemon waits -- acquires, releases, reserves -- share one budget, ``load_wait_s``
+(:meth:`~.calls.Calls.begin_step`): however many loads and saves a step holds, the loop waits on
+the daemon at most that long in it, and what is not back by then is a miss.
 
 Its loads are :mod:`.loads`, the step's saves :mod:`.saves`, and finished requests' saves
 :mod:`.finished_saves`.
@@ -51,15 +56,18 @@ from kvtier.engines.vllm.loads import Loads
 from kvtier.engines.vllm.pages import PageAdapter
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer
 from kvtier.engines.vllm.saves import Saves
+from kvtier.engines.vllm.sleep import Sleep
+from kvtier.engines.vllm.suspects import Suspects
+from kvtier.engines.vllm.votes import Votes
 from kvtier.server.client import StoreClient
 from kvtier.server.lease_client import ReadLease, WriteLease
 
 log = logging.getLogger(__name__)
 
 
-class WorkerSide(Loads, Saves, FinishedSaves):
+class WorkerSide(Loads, Saves, FinishedSaves, Suspects, Votes, Sleep):
     def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
-                 adapter: PageAdapter | None, agree=None, wait_s: float = 0.02,  # type: ignore[no-untyped-def]
+                 adapter: PageAdapter | None, ranks: int = 1, wait_s: float = 0.02,
                  load_wait_s: float = 1.0, inline: bool | None = None) -> None:
         self.client = client
         self.wait_s = wait_s
@@ -70,6 +78,8 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         first chunk), for the scheduler (:meth:`take_meta`)."""
         self.saves_skipped = 0
         """Saves skipped because the daemon was slow (each planned again)."""
+        self.chunks_busy = 0
+        """Chunks another writer was writing when a save asked for them (each planned again)."""
         self.load_error_blocks = 0
         """Blocks this rank reported to vLLM as failed loads."""
         self._bg_client = background
@@ -77,8 +87,17 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         self.block_size = block_size
         self.per_chunk = layout.chunk_tokens // block_size
         self.adapter = adapter
-        self._agree = agree
-        """``agree(flags) -> flags``: the elementwise minimum over the tensor-parallel group."""
+        if ranks < 1:
+            raise ValueError(f"an engine has at least one rank, got {ranks}")
+        self.ranks = ranks
+        """The engine's ranks (tensor x pipeline parallel): more than one, each save is voted on
+        (:mod:`.votes`)."""
+        self._ballots: dict[int, bool] = {}
+        """This rank's votes not yet reported (ballot -> commit?)."""
+        self._held: dict[int, tuple[float, WriteLease]] = {}
+        """Saves copied and held for a verdict: ballot -> (since when, lease)."""
+        self._held_finishes: dict[int, tuple[float, Transfer]] = {}
+        """Finished requests whose save waits for a verdict: ballot -> (since when, save)."""
         self.kv: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self.enabled = False
@@ -105,6 +124,8 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         """Saves whose reserve was not back at the first layer: copied from vLLM's blocks,
         every layer at once, once the forward pass is done (``wait_for_save``)."""
         self._layers_saved: set[int] = set()
+        self._save_failed = False
+        """A layer's copy into this step's write leases raised: none of them is committed."""
         self._ended = True
         self.inline = inline
         """Copy the step's loads and finished requests' saves on the engine's thread, between
@@ -117,6 +138,10 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         self._bg_calls = Calls("kvtier-finish-calls")
         self._saving: list[_Finishing] = []
         """Finished requests' saves copied inline (:meth:`_advance_finishes`)."""
+        self._bg_failed_at = float("-inf")
+        """When a finished request's save on the thread last met a daemon that failed."""
+        self._retry: dict[str, set[int]] = {}
+        """Finished requests' chunks another writer was writing, to ask for again."""
         self._receiving = ThreadPoolExecutor(1, "kvtier-receive")
         self._done_lock = threading.Lock()
         """Guards what the background threads hand over: the sets below and ``_failed``."""
@@ -136,6 +161,8 @@ class WorkerSide(Loads, Saves, FinishedSaves):
                 raise ValueError(problem)
             if self.adapter is None:
                 raise ValueError("no page adapter for this attention backend")
+            # a block a row, where vLLM split blocks into kernel blocks (a view: nothing copied)
+            self.kv = [self.adapter.by_block(kv, num_blocks, self.block_size) for kv in self.kv]
             if len(self.kv) != self.layout.num_layers:
                 raise ValueError(f"vLLM has {len(self.kv)} KV layers, the layout {self.layout.num_layers}")
             for kv in self.kv:
@@ -169,9 +196,13 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         for good, bad in landed:
             self._suspect.difference_update(good)
             self._suspect.update(bad)
+        self._calls.begin_step(self.load_wait_s)  # every daemon wait of this step, in all
+        if meta.verdicts or self._held or self._held_finishes:
+            self._apply_verdicts(meta.verdicts)
         self._meta = meta
         self._loaded = False
         self._copy_failed = False
+        self._save_failed = False
         self._layers_saved = set()
         self._ended = False
         self._bound_at = time.monotonic()
@@ -194,8 +225,15 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         if layer is None:
             return
         self._layers_saved.add(layer)  # distinct layers: every one of this rank ran, the pass is whole
-        if not self._meta.saves or not self.enabled:
+        if not self._meta.saves or not self.enabled or self._save_failed:
             return
+        try:
+            self._save_layer(layer, kv_layer)
+        except Exception:  # a copy must never take the forward pass down: nothing is committed
+            self._save_failed = True
+            log.exception("kvtier: copying layer %s into the arena failed; this step saves nothing", layer_name)
+
+    def _save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         assert self._copier is not None
         if self._saves is None:  # the step's first layer: take the slots reserved so far
             self._send_reserves()  # (if vLLM did not call start_load_kv before the pass)
@@ -224,31 +262,6 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         ``kv``'s shape."""
         n = pages * self._page_bytes
         return self.adapter.pages(view[layer * n : (layer + 1) * n], kv, pages)
-
-    def _spread(self) -> None:
-        """What each request computed this step is suspect if it attended to a suspect block it
-        did not compute again itself; sound again if it computed it from its first token."""
-        if not self._suspect:  # the usual step: nothing to spread (and nothing to clean)
-            return
-        b = self.block_size
-        changed = True
-        while changed:  # a request may read blocks another one computes in the same step
-            changed = False
-            for w in self._meta.writes:
-                first_new = -(-w.start // b)  # blocks computed from their first token
-                before = w.block_ids[: w.start // b + (1 if w.start % b else 0)]
-                written = w.block_ids[w.start // b :]
-                if any(blk in self._suspect for blk in before) and not all(x in self._suspect for x in written):
-                    self._suspect.update(written)
-                    changed = True
-                elif not any(blk in self._suspect for blk in before):
-                    fresh = w.block_ids[first_new:]
-                    if any(x in self._suspect for x in fresh):
-                        self._suspect.difference_update(fresh)
-                        changed = True
-
-    def _is_suspect(self, t: Transfer) -> bool:
-        return bool(self._suspect) and any(blk in self._suspect for blk in t.all_blocks(self.per_chunk))
 
     def wait_for_save(self) -> None:
         """End the step: commit what it saved, if every layer of it was copied and none of it is
@@ -286,20 +299,32 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         # the engine's threads had the cores), unless a call has been running since before the
         # step began (the daemon is stalled)
         stalled = self._calls.stalled(time.monotonic() - self._bound_at + self.wait_s)
-        budget = 0.0 if failed or stalled else self.wait_s
+        unsaved = failed or self._save_failed  # (a failed copy: what the step computed is sound)
+        budget = 0.0 if unsaved or stalled else self.wait_s
         for n, future in sorted(self._deferred.items()):
             began = time.monotonic()
-            leases[n] = self._copy_deferred(meta.saves[n], future, failed, budget)
+            leases[n] = self._copy_deferred(meta.saves[n], future, unsaved, budget)
             budget = max(0.0, budget - (time.monotonic() - began))
         self._saves, self._save_ids, self._reserving, self._deferred = None, {}, [], {}
-        # one flag per planned save and finish, in the plan's order, on every rank alike
-        ok = [lease is not None and not failed and not self._is_suspect(save)
+        # one flag per planned save and finish, in the plan's order
+        ok = [lease is not None and not unsaved and not self._is_suspect(save)
               for save, lease in zip(meta.saves, leases, strict=True)]
         ok += [self.enabled and not failed and not self._is_suspect(f) for f in meta.finishes]
-        if self._agree is not None and ok:
-            ok = self._agree(ok)
         if self._copier is not None and any(lease is not None for lease in leases):
-            self._copier.sync_saves()
+            try:
+                self._copier.sync_saves()
+            except Exception:  # the copies may not have landed: nothing is committed
+                log.exception("kvtier: waiting for this step's copies into the arena failed")
+                ok[: len(meta.saves)] = [False] * len(meta.saves)
+        if self.ranks > 1:
+            self._vote(meta, leases, ok)  # every rank says yes, or none commits
+        else:
+            self._commit(meta, leases, ok)
+        self._advance_finishes()
+
+    def _commit(self, meta: KVTierMetadata, leases: list[WriteLease | None], ok: list[bool]) -> None:
+        """The end of a step of a single-rank engine: commit its saves (not waited for),
+        abandon what may not be; start its finished requests' saves."""
         for save, lease, good in zip(meta.saves, leases, ok, strict=False):
             if lease is None:
                 continue
@@ -307,28 +332,36 @@ class WorkerSide(Loads, Saves, FinishedSaves):
                 self._calls.submit(lambda lease=lease: self.client.abandon(lease))
                 continue
             self._calls.submit(lambda lease=lease: self.client.commit(lease))  # not waited for
+            self._report_busy(save, lease, 0)
             if len(lease.views) < len(save.keys):
                 self._save_rest(self.client, save, len(lease.views), in_step=True)
         for f, good in zip(meta.finishes, ok[len(meta.saves) :], strict=True):
-            if not good:
-                self._mark_done(f.req_id)  # vLLM frees its blocks: nothing of it is saved
-            elif self.inline:
-                self._saving.append(_Finishing(f, 0, self._bg_reserve(f, 0)))
+            if good:
+                self._start_finish(f)
             else:
-                self._finishing.submit(self._finish, f)
-        self._advance_finishes()
+                self._mark_done(f.req_id)  # vLLM frees its blocks: nothing of it is saved
+
+    def _start_finish(self, f: Transfer) -> None:
+        """Save a finished request's chunks: inline, spread over steps, or on a thread."""
+        if self.inline:
+            self._saving.append(_Finishing(f, 0, self._bg_reserve(f, 0)))
+        else:
+            self._finishing.submit(self._finish, f)
 
     def take_meta(self) -> KVTierWorkerMeta | None:
-        """What to tell the scheduler after this step (saves it must plan again), once."""
-        if not self._unsaved:
+        """What to tell the scheduler after this step (saves it must plan again, this rank's
+        votes), once."""
+        votes = self._take_votes() if self._ballots else {}
+        if not (self._unsaved or votes):
             return None
-        meta, self._unsaved = KVTierWorkerMeta(self._unsaved), {}
+        meta, self._unsaved = KVTierWorkerMeta(self._unsaved, votes), {}
         return meta
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts for vLLM's metrics (:mod:`.stats`)."""
         c = self._copier
-        out = {"saves_skipped": self.saves_skipped, "load_error_blocks": self.load_error_blocks}
+        out = {"saves_skipped": self.saves_skipped, "load_error_blocks": self.load_error_blocks,
+               "chunks_busy": self.chunks_busy}
         if c is not None:
             out.update(loaded_bytes=c.loaded_bytes + c.loaded_bg_bytes, saved_bytes=c.saved_bytes + c.saved_bg_bytes)
         return out
@@ -356,6 +389,8 @@ class WorkerSide(Loads, Saves, FinishedSaves):
         for future in self._reserving:  # a step that never ended
             if future is not None:
                 self._calls.when_done(future, self._abandon_late)
-        self._saving, self._reserving = [], []
+        for _, lease in self._held.values():  # no verdict came: never committed
+            self._calls.submit(lambda lease=lease: self.client.abandon(lease))
+        self._saving, self._reserving, self._held, self._held_finishes = [], [], {}, {}
         self._bg_calls.close()
         self._calls.close()
