@@ -64,6 +64,7 @@ def run(llm, prompts, salts=None, wait=True):
 
 CHAT, BATCH = prompt(300, 21), [prompt(316, 30 + i) for i in range(5)]
 SHARED = prompt(4 * CHUNK, 40)
+AROUND_RESETS = [prompt(230, s) for s in (57, 58, 59)]  # three chunks, then a partial one
 PAIR = [SHARED + prompt(100, 41), SHARED + prompt(120, 42)]
 
 
@@ -81,7 +82,7 @@ def stack(tiny_model_dir, tmp_path_factory):
         return want[key]
 
     chat = turns(CHAT, 22, 3, ref_out)
-    for p in [*chat, *BATCH, *PAIR, *(prompt(300, s) for s in range(50, 57))]:
+    for p in [*chat, *BATCH, *PAIR, *(prompt(300, s) for s in range(50, 57)), *AROUND_RESETS]:
         ref_out(p)
     alone.clear()  # one engine at a time
     gc.collect()
@@ -381,3 +382,46 @@ def test_a_request_preempted_by_a_reset_is_saved_under_the_new_epoch(stack, rout
     out = run(llm, [p])[0]
     assert out.num_cached_tokens >= 4 * CHUNK  # computed again after the reset, and saved
     assert_same([out.outputs[0]], [want[tuple(p)]])
+
+
+def test_a_reset_while_a_finished_request_is_saved_succeeds_and_loads_nothing_saved_before(stack, router):
+    llm, daemon, want, _ = stack
+    core = llm.llm_engine.engine_core.engine_core
+    p = AROUND_RESETS[0]
+    run(llm, [p], wait=False)
+    core.step()  # the save of its tail is begun, and holds its blocks
+    assert scheduler_side(llm).counters()[1]["save_backlog_requests"] == 1
+    # new weights: vLLM's in-process pause resets at once, and cannot while a block is held
+    with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+        core.pause_scheduler(mode="abort", clear_cache=True)
+    core.resume_scheduler()
+    from kvtier.engines.vllm.offline import reset_cache
+
+    assert reset_cache(llm)  # the save finished first, then vLLM's cache and kvtier's reset
+    before = loaded(daemon)
+    out = run(llm, [p])[0]
+    assert out.num_cached_tokens == 0 and loaded(daemon) == before  # nothing saved before is loaded
+    assert_same([out.outputs[0]], [want[tuple(p)]])
+
+
+def test_saves_planned_before_a_reset_are_never_loaded_after_it(stack, router):
+    llm, daemon, want, _ = stack
+    core = llm.llm_engine.engine_core.engine_core
+    begun, planned = AROUND_RESETS[1:]
+    run(llm, [begun], wait=False)
+    core.step()  # its tail's slots are reserved; copied and committed at a later step
+    saved = daemon.stats()["saved_chunks"]
+    assert llm.reset_prefix_cache(reset_connector=True) is False  # vLLM's part waits for the blocks
+    assert drain(llm) and daemon.stats()["saved_chunks"] > saved  # committed after the reset...
+    run(llm, [planned], wait=False)  # its tail's save planned, not yet begun
+    saved = daemon.stats()["saved_chunks"]
+    assert llm.reset_prefix_cache(reset_connector=True) is False
+    assert drain(llm) and daemon.stats()["saved_chunks"] == saved  # dropped: of no use after it
+    from kvtier.engines.vllm.offline import reset_cache
+
+    assert reset_cache(llm)
+    for p in (begun, planned):  # ...under the old epoch: never loaded after it
+        before = loaded(daemon)
+        out = run(llm, [p])[0]
+        assert out.num_cached_tokens == 0 and loaded(daemon) == before
+        assert_same([out.outputs[0]], [want[tuple(p)]])

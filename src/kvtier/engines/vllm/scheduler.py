@@ -15,13 +15,13 @@ the request in ``get_finished``). The next turn of the conversation then finds a
 KV but the blocks' last partial one.
 
 The lookups are :mod:`.lookups`, a request's keys :mod:`.request_keys`, the hints to the
-daemon's policies :mod:`.hints`, and the per-request records :mod:`.request_state`.
+daemon's policies :mod:`.hints`, a cache reset (new weights) :mod:`.resets`, and the per-request
+records :mod:`.request_state`.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +38,9 @@ from kvtier.engines.vllm.lookups import (
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 from kvtier.engines.vllm.request_keys import RequestKeys
 from kvtier.engines.vllm.request_state import Phase, _Tracked, skipped
+from kvtier.engines.vllm.resets import Resets
 from kvtier.engines.vllm.stats import HIT_PREFIX
+from kvtier.engines.vllm.votes import Tally
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
 
@@ -53,10 +55,14 @@ STALE = b"stale"
 before a cache reset that did not clear vLLM's own cache (they may be the old weights')."""
 
 
-class SchedulerSide(Lookups, Hints, RequestKeys):
+class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
     def __init__(self, client: StoreClient, hint_client: StoreClient, block_size: int,
-                 load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0) -> None:
+                 load_async: bool = False, wait_s: float = 0.02, lookup_deadline_s: float = 2.0,
+                 ranks: int = 1) -> None:
         self.client = client
+        self.tally = Tally(ranks)
+        """The ballots of an engine of several ranks: every rank votes on every save
+        (:mod:`.votes`)."""
         self.wait_s = wait_s
         """How long the engine loop waits for lookups at most, in all, in one step."""
         self._step_waited = 0.0
@@ -183,7 +189,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
 
     # -- steps ---------------------------------------------------------------------------------
     def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]
-        meta = KVTierMetadata(loads=self._loads, finishes=self._finishes)
+        meta = KVTierMetadata(loads=self._loads, finishes=self._finishes, verdicts=self.tally.take_verdicts())
         self._loads, self._finishes = [], []
         self._busy = bool(so.num_scheduled_tokens)
         self._step_waited = 0.0  # the next step's lookups have their own bound
@@ -232,7 +238,8 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
         if full > tr.stored and full * self.per_chunk <= len(tr.block_ids):
             keys = self._keys_of(tr, full)
             if len(keys) == full:
-                meta.saves.append(Transfer(rid, keys[tr.stored :], tr.stored, tr.block_ids[: full * self.per_chunk]))
+                meta.saves.append(Transfer(rid, keys[tr.stored :], tr.stored, tr.block_ids[: full * self.per_chunk],
+                                           vote=self.tally.ballot()))
                 self._remember(tr.request, keys)
                 tr.stored = full
 
@@ -276,7 +283,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
         self._freeing[rid] = time.monotonic()
         self._free_credits += 1
         self._finishes.append(Transfer(rid, keys, first, list(block_ids[: full * self.per_chunk + tail]),
-                                       tail_blocks=tail))
+                                       tail_blocks=tail, vote=self.tally.ballot()))
         return True
 
     def update_connector_output(self, output) -> None:  # type: ignore[no-untyped-def]
@@ -287,6 +294,8 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
         the request runs, or is finishing with its blocks kept)."""
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVTierWorkerMeta):
+            if meta.votes:
+                self.tally.count(meta.votes)
             for rid, first in meta.unsaved.items():  # saves a worker skipped: planned again
                 tr = self._tracked.get(rid)
                 if tr is not None and first < tr.stored:
@@ -303,6 +312,12 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
         if not self._freeing:
             self._free_credits = 0
 
+    def has_pending_push_work(self) -> bool:
+        """Whether vLLM must keep stepping, though no request runs: a ballot's votes or its
+        verdict are still on their way (a step carries them), and until they arrive every
+        rank holds the save's slots, or a finished request's blocks."""
+        return self.tally.pending
+
     def has_pending_block_frees(self) -> bool:
         """Whether a finished request's save will free its blocks soon (it ended within
         :data:`PENDING_FREE_S`). vLLM asks when a running request finds no free block; on yes
@@ -318,37 +333,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys):
         self._free_credits -= 1
         return True
 
-    # -- cache reset, events, counters --------------------------------------------------------
-    def reset_cache(self) -> bool:
-        """vLLM reset its prefix cache (``/reset_prefix_cache?reset_external=true``;
-        ``pause_generation(clear_cache=True)``: new weights): from now on no load is served
-        from a chunk saved before. A new epoch is chained into every key; answers and
-        promotions made before are dropped; requests admitted before save nothing more unless
-        they are computed again from the start (preempted, then resumed); every chunk
-        announced in KV events is removed. vLLM resets its own cache first: when that failed
-        (blocks were held -- vLLM then returns False, and the caller must retry), requests
-        admitted over vLLM's local hits are not saved until a reset succeeds, since those hits
-        may be the old weights'. Runs on vLLM's engine thread between steps; the daemon is not
-        asked (the old chunks age out), so kvtier's part cannot fail."""
-        self.epoch = secrets.token_bytes(16)
-        pool = self.block_pool
-        try:  # (vLLM's own test: every block but the null one free)
-            self._gpu_stale = pool is None or int(pool.num_gpu_blocks) - int(pool.get_num_free_blocks()) != 1
-        except Exception:  # noqa: BLE001 - unknown: assume the worst
-            self._gpu_stale = True
-        for rid in list(self._pending):
-            self._forget_pending(rid)
-        self._lookups.clear()
-        self._promoted.clear()
-        if self.events is not None:
-            self.events.clear()
-        if self._gpu_stale:
-            log.warning("kvtier: cache reset while vLLM's prefix cache held blocks: requests over "
-                        "its cached blocks are not saved until a reset clears them")
-        else:
-            log.info("kvtier: cache reset: chunks saved before it are no longer loaded")
-        return True
-
+    # -- events, counters ----------------------------------------------------------------------
     def _remember(self, request, full: list[ChunkKey], tail: ChunkKey | None = None,  # type: ignore[no-untyped-def]
                   tail_blocks: int = 0) -> None:
         """Follow chunks ``0..`` of ``request`` for KV events (``full``: the keys of its full
