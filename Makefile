@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp-install
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench clean vllm-api
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,19 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+
+# kvtier's connector against the vLLM releases not installed here (CUDA wheels only): their
+# wheels are downloaded (never installed) and read by tests/engines/test_vllm_api.py.
+VLLM_API_VERSIONS := 0.33.0 0.34.0
+VLLM_WHEELS := .cache/vllm-wheels
+
+vllm-api: $(STAMP)
+	mkdir -p $(VLLM_WHEELS)
+	for v in $(VLLM_API_VERSIONS); do \
+		ls $(VLLM_WHEELS)/vllm-$$v-*.whl >/dev/null 2>&1 || \
+		$(BIN)/pip download --quiet --no-deps --only-binary=:all: --dest $(VLLM_WHEELS) vllm==$$v || exit 1; \
+	done
+	KVTIER_VLLM_WHEELS=$(VLLM_WHEELS) HF_HUB_OFFLINE=1 $(BIN)/pytest -q tests/engines/test_vllm_api.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
