@@ -169,3 +169,53 @@ def test_one_rank_votes_on_nothing_and_commits_at_the_end_of_its_step():
     tally = Tally(1)
     step(w, a_step(tally))
     assert client.committed == [("A", [key(1)])] and w.take_meta() is None and not tally.pending
+
+
+def test_an_executor_where_each_rank_schedules_alone_is_refused_for_several_ranks(monkeypatch):
+    from vllm.distributed import parallel_state
+
+    from kvtier.engines.vllm.votes import check_executor, engine_ranks
+
+    with pytest.raises(ValueError, match="external_launcher.*cannot agree"):
+        check_executor(SimpleNamespace(distributed_executor_backend="external_launcher"), 2)
+    check_executor(SimpleNamespace(distributed_executor_backend="external_launcher"), 1)
+    check_executor(SimpleNamespace(distributed_executor_backend="mp"), 4)
+
+    def not_set_up():
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    # a worker that cannot tell its rank in a 2-rank engine
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", not_set_up)
+    with pytest.raises(ValueError, match="cannot tell its own rank"):
+        engine_ranks(True, 2)
+    assert engine_ranks(True, 1) == (0, 0)
+
+
+def test_a_save_skipped_in_the_step_that_finishes_its_request_joins_the_requests_finish(tmp_path):
+    """vLLM hands the scheduler a finished request (``request_finished``) before that step's
+    worker output: a save the step skipped (the daemon slow, a chunk another writer held) is
+    then added to the finish, whose blocks vLLM keeps, rather than lost."""
+    client = StoreClient(str(tmp_path / "nobody.sock"), model="m", layout=LAYOUT, page_format="p", retry_s=60)
+    sched = SchedulerSide(client, client, BLOCK)
+    try:
+        tokens = list(range(2 * CHUNK + BLOCK))
+        r = SimpleNamespace(request_id="R", all_token_ids=tokens, kv_transfer_params=None, cache_salt=None,
+                            num_computed_tokens=0, num_in_flight_tokens=0)
+        blocks = list(range(5))
+        sched.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+        new = SimpleNamespace(req_id="R", block_ids=(blocks,), num_computed_tokens=0)
+        cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+        meta = sched.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"R": len(tokens)},
+            preempted_req_ids=set(), finished_req_ids=set()))
+        assert [(s.first_chunk, len(s.keys)) for s in meta.saves] == [(0, 2)]
+        r.num_computed_tokens = len(tokens)
+        assert sched.request_finished(r, blocks)  # its tail block: a finish from chunk 2
+        # then the step's output: the worker could not store chunk 1
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMeta({"R": 1})))
+        empty = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
+                                preempted_req_ids=set(), finished_req_ids=set())
+        (fin,) = sched.build_connector_meta(empty).finishes
+        assert fin.first_chunk == 1 and fin.keys == [meta.saves[0].keys[1], fin.keys[1]] and fin.tail_blocks == 1
+    finally:
+        sched.close()

@@ -64,23 +64,30 @@ PASSED = ("register_kv_caches", "bind_kv_cache_manager", "bind_gpu_block_pool",
           "get_handshake_metadata", "set_xfer_handshake_metadata",
           "set_xfer_handshake_metadata_pp_aware", "set_host_xfer_buffer_ops", "get_mem_pool_context",
           "reset_capture_state", "reset_cache", "has_pending_push_work",
-          "get_loaded_kv_cache_group_ids", "register_finished_partial_tail")
+          "get_loaded_kv_cache_group_ids", "register_finished_partial_tail",
+          "unregister_kv_caches", "restore_kv_caches", "may_load_async")
 """Calls handed through untimed (set-up, or not made per step)."""
 STEP_ATTR = "_kvtier_profile_step"
 
 
-def _inner(vllm_config):  # type: ignore[no-untyped-def]
-    """(class, vLLM config) of the wrapped connector."""
-    outer = vllm_config.kv_transfer_config
-    spec = dict(outer.kv_connector_extra_config.get("connector") or {})
+def _inner_of(outer):  # type: ignore[no-untyped-def]
+    """(class, transfer config) of the wrapped connector, from the proxy's transfer config."""
+    spec = dict((outer.kv_connector_extra_config or {}).get("connector") or {})
     if not spec.get("kv_connector"):
         raise ValueError("ProfiledConnector: kv_connector_extra_config.connector must name the "
                          "connector to profile (its own kv-transfer-config)")
     spec.setdefault("kv_role", outer.kv_role)
     spec.setdefault("engine_id", outer.engine_id)
+    config = KVTransferConfig(**spec)
+    return KVConnectorFactory.get_connector_class(config), config
+
+
+def _inner(vllm_config):  # type: ignore[no-untyped-def]
+    """(class, vLLM config) of the wrapped connector."""
+    inner_cls, config = _inner_of(vllm_config.kv_transfer_config)
     inner = copy.copy(vllm_config)
-    inner.kv_transfer_config = KVTransferConfig(**spec)
-    return KVConnectorFactory.get_connector_class(inner.kv_transfer_config), inner
+    inner.kv_transfer_config = config
+    return inner_cls, inner
 
 
 def _kind(scheduler_output) -> tuple[str, int]:  # type: ignore[no-untyped-def]
@@ -195,6 +202,20 @@ class ProfiledConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config):  # type: ignore[no-untyped-def]
         inner_cls, inner_config = _inner(vllm_config)
         return inner_cls.get_required_kvcache_layout(inner_config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # type: ignore[no-untyped-def]
+        """(vLLM 0.33+) whether the wrapped connector follows sleep mode: the proxy hands its
+        KV cache (un)registrations through."""
+        inner_cls, inner_config = _inner_of(kv_transfer_config)
+        answer = getattr(inner_cls, "supports_sleep_mode", None)
+        return bool(answer(inner_config)) if answer is not None else False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):  # type: ignore[no-untyped-def]
+        """(vLLM 0.34) how the wrapped connector reaches the KV cache."""
+        inner_cls, inner_config = _inner_of(kv_transfer_config)
+        return inner_cls.kv_cache_access(inner_config)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -44,6 +44,7 @@ from kvtier.engines.vllm.plan import KVTierMetadata
 from kvtier.engines.vllm.request_state import skipped
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.engines.vllm.stats import Deltas, KVTierPromMetrics, KVTierStats
+from kvtier.engines.vllm.votes import check_executor, engine_ranks
 from kvtier.engines.vllm.worker import WorkerSide
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.client import StoreClient
@@ -84,18 +85,6 @@ def _seconds(cfg, name: str, default: float) -> float:  # type: ignore[no-untype
     return float(value)
 
 
-def _ranks(role: KVConnectorRole) -> tuple[int, int]:
-    """This worker's (tensor-parallel, pipeline-parallel) ranks; (0, 0) in the scheduler."""
-    if role != KVConnectorRole.WORKER:
-        return 0, 0
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - not initialized
-        return 0, 0
-
-
 def _probe_or_raise(client: StoreClient):  # type: ignore[no-untyped-def]
     """``client.probe``, raising DaemonUnavailable where it would answer "not held" because the
     daemon could not be asked (KV events must tell the two apart)."""
@@ -130,7 +119,8 @@ class KVTierConnector(KVConnectorBase_V1):
         pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         # Each rank stores its own shard of every chunk under its own namespace; the scheduler
         # looks up rank 0's (a rank missing a chunk reports its blocks as load errors).
-        tp_rank, pp_rank = _ranks(role)
+        check_executor(pc, tp_size * pp_size)
+        tp_rank, pp_rank = engine_ranks(role == KVConnectorRole.WORKER, tp_size * pp_size)
         self.backend = attention_backend(vllm_config)
         # (vLLM's release, backend, CPU ISA, KV dtype, block size, shard: :mod:`.pages`; an engine
         # whose pages no format can name -- context parallel, run-time KV scales -- is refused)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -179,7 +180,7 @@ class Loads:
 
     def _acquire_all(self, loads: list[Transfer]) -> list[ReadLease | None]:
         """A read lease for each of ``loads``: the acquires sent together, then waited for
-        within what is left of the step's budget; None where none came in time (its blocks
+        within half of what is left of the step's budget; None where none came in time (its blocks
         fail; a lease that comes later is released at once). While the daemon is stalled,
         none is sent."""
         if self._calls.stalled(self.load_wait_s):
@@ -189,9 +190,12 @@ class Loads:
                                                   tail_tokens=self._tail_tokens(load)))
             if load.keys else None for load in loads]
         out: list[ReadLease | None] = []
+        # at most half of what is left of the step's budget: the other half is the releases'
+        # (a lease acquired, copied, then not confirmed in time is thrown away)
+        until = time.monotonic() + min(self.load_wait_s, self._calls.left) / 2
         for future in futures:
             got = _LATE if future is None else self._calls.wait(
-                future, self.load_wait_s, _LATE, late=self._end_late_read)
+                future, max(0.0, until - time.monotonic()), _LATE, late=self._end_late_read)
             out.append(None if got is _LATE else got)  # type: ignore[arg-type]
         return out
 

@@ -49,6 +49,7 @@ class Resets:
         # a finish with no keys: the workers report it done without saving (and vote on its
         # ballot, which an engine of several ranks still counts)
         self._finishes = [replace(f, keys=[], block_ids=[], tail_blocks=0) for f in self._finishes]
+        self._finish_keys.clear()  # (nor are they widened again: :meth:`_widen_finish`)
         for rid in list(self._pending):
             self._forget_pending(rid)
         self._lookups.clear()

@@ -161,7 +161,8 @@ class Saves:
         taken for stored."""
         busy = self._busy(lease)
         if busy:
-            self.chunks_busy += len(busy)
+            with self._done_lock:  # (the engine's thread and the finishing thread count)
+                self.chunks_busy += len(busy)
             self._replan(save, done + busy[0])
 
     def _busy_chunks(self, save: Transfer, lease: WriteLease, done: int) -> None:
@@ -169,7 +170,8 @@ class Saves:
         chunks to ask for again once its other chunks are saved (:mod:`.finished_saves`)."""
         busy = self._busy(lease)
         if busy:
-            self.chunks_busy += len(busy)
+            with self._done_lock:  # (the engine's thread and the finishing thread count)
+                self.chunks_busy += len(busy)
             self._retry.setdefault(save.req_id, set()).update(done + j for j in busy)
 
     def _reserve(self, save: Transfer, done: int) -> WriteLease | None:

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from kvtier.core.keys import ChunkKey
 from kvtier.engines.vllm.calls import Calls
@@ -91,6 +92,9 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[Transfer] = []
         self._finishes: list[Transfer] = []
+        self._finish_keys: dict[str, list[ChunkKey]] = {}
+        """The full chunks' keys of each finished request in ``_finishes`` (not sent yet): a save
+        its last step skipped is added to its finish (:meth:`update_connector_output`)."""
         self._hints = ThreadPoolExecutor(1, "kvtier-hints")
         self.preemptions = 0
         self._freeing: dict[str, float] = {}
@@ -191,6 +195,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
     def build_connector_meta(self, so) -> KVTierMetadata:  # type: ignore[no-untyped-def]
         meta = KVTierMetadata(loads=self._loads, finishes=self._finishes, verdicts=self.tally.take_verdicts())
         self._loads, self._finishes = [], []
+        self._finish_keys.clear()
         self._busy = bool(so.num_scheduled_tokens)
         self._step_waited = 0.0  # the next step's lookups have their own bound
         for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -284,6 +289,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
         self._free_credits += 1
         self._finishes.append(Transfer(rid, keys, first, list(block_ids[: full * self.per_chunk + tail]),
                                        tail_blocks=tail, vote=self.tally.ballot()))
+        self._finish_keys[rid] = tr.keys[:full]
         return True
 
     def update_connector_output(self, output) -> None:  # type: ignore[no-untyped-def]
@@ -300,6 +306,8 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
                 tr = self._tracked.get(rid)
                 if tr is not None and first < tr.stored:
                     tr.stored = first
+                elif tr is None:  # it finished in that very step (vLLM tells us that first)
+                    self._widen_finish(rid, first)
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         for rid in list(self._loading):
             if bad and bad.intersection(self._loading[rid]) and rid not in self._load_failed:
@@ -311,6 +319,18 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
             self._freeing.pop(rid, None)
         if not self._freeing:
             self._free_credits = 0
+
+    def _widen_finish(self, rid: str, first: int) -> None:
+        """A finished request's last step skipped its save from chunk ``first`` on (the daemon
+        was slow, or another writer was writing a chunk): its finish, not sent yet, saves from
+        there (the blocks vLLM keeps for it hold those chunks). A finish already sent, or none
+        (the request held nothing more to save: vLLM freed its blocks), loses the chunk: a miss
+        later, never wrong KV."""
+        keys = self._finish_keys.get(rid)
+        for n, f in enumerate(self._finishes):
+            if f.req_id == rid and keys is not None and first < f.first_chunk <= len(keys):
+                self._finishes[n] = replace(f, keys=keys[first : f.first_chunk] + f.keys, first_chunk=first)
+                return
 
     def has_pending_push_work(self) -> bool:
         """Whether vLLM must keep stepping, though no request runs: a ballot's votes or its
@@ -362,7 +382,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
         """(cumulative counts, gauges) for vLLM's metrics (:mod:`.stats`)."""
         counts: dict[str, float] = {"lookups": self.lookups_sent, "lookup_timeouts": self.lookups_missed,
                                     "load_failures": self.load_failures, "preemptions": self.preemptions,
-                                    "hints_dropped": self.hints_dropped}
+                                    "hints_dropped": self.hints_dropped, "saves_vetoed": self.tally.vetoed}
         counts.update({HIT_PREFIX + tier: n for tier, n in self.hit_tokens.items()})
         return counts, {"save_backlog_requests": len(self._freeing)}
 

@@ -48,7 +48,9 @@ COUNTERS: dict[str, str] = {
     "load_error_blocks": "Blocks whose load from kvtier failed (summed over tensor-parallel ranks)",
     "loaded_bytes": "Bytes copied from kvtier's DRAM into vLLM's blocks",
     "saved_bytes": "Bytes copied from vLLM's blocks into kvtier's DRAM",
-    "saves_skipped": "Chunk saves a worker skipped because the daemon was slow (planned again)",
+    "saves_skipped": "Saves a worker skipped because the daemon was slow or DRAM had no room for all (planned again)",
+    "chunks_busy": "Chunks a save found another writer writing (planned again; summed over ranks)",
+    "saves_vetoed": "Saves some rank of a multi-rank engine voted against (no rank committed them)",
     "preemptions": "Requests vLLM preempted while kvtier followed them",
     "hints_dropped": "Scheduler hints dropped while too many waited",
 }

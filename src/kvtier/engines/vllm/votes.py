@@ -43,6 +43,36 @@ VERDICT_WAIT_S = 60.0
 """How long a rank holds a save's lease (or a finished request's blocks) for a verdict at most."""
 
 
+def engine_ranks(worker: bool, ranks: int) -> tuple[int, int]:
+    """This worker's (tensor-parallel, pipeline-parallel) ranks; (0, 0) in the scheduler. In an
+    engine of ``ranks`` > 1 ranks a worker that cannot tell its own would store its shard under
+    rank 0's namespace (and load rank 0's): refused."""
+    if not worker:
+        return 0, 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except Exception as exc:  # (not initialized)
+        if ranks > 1:
+            raise ValueError(f"kvtier: a worker of an engine of {ranks} ranks cannot tell its own rank "
+                             f"({exc}); its shard would be named as another's") from exc
+        return 0, 0
+
+
+def check_executor(parallel_config, ranks: int) -> None:  # type: ignore[no-untyped-def]
+    """The ranks of a multi-rank engine agree on every commit through the metadata vLLM's
+    executor gathers from all of them (:mod:`.votes`). ``external_launcher`` runs a scheduler
+    per rank, each hearing only its own: the ranks could never agree. Refused, saying why."""
+    backend = str(getattr(parallel_config, "distributed_executor_backend", "") or "")
+    if ranks > 1 and backend == "external_launcher":
+        raise ValueError(
+            "kvtier cannot run under distributed_executor_backend='external_launcher' with tensor- or "
+            f"pipeline-parallel size > 1 ({ranks} ranks): each rank schedules alone there, so the ranks "
+            "cannot agree on what to commit (a rank's shard depends on every other's). Use the 'mp' or "
+            "'ray' executor, or leave kv_transfer_config out")
+
+
 class Tally:
     """The scheduler half's ballots: the votes of ``ranks`` ranks counted, verdicts handed out."""
 

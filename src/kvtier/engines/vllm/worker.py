@@ -342,8 +342,11 @@ class WorkerSide(Loads, Saves, FinishedSaves, Suspects, Votes, Sleep):
                 self._mark_done(f.req_id)  # vLLM frees its blocks: nothing of it is saved
 
     def _start_finish(self, f: Transfer) -> None:
-        """Save a finished request's chunks: inline, spread over steps, or on a thread."""
-        if self.inline:
+        """Save a finished request's chunks: inline, spread over steps, or on a thread (none:
+        dropped by a cache reset, reported done at once)."""
+        if not f.keys:
+            self._mark_done(f.req_id)
+        elif self.inline:
             self._saving.append(_Finishing(f, 0, self._bg_reserve(f, 0)))
         else:
             self._finishing.submit(self._finish, f)
