@@ -43,6 +43,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return default_model_dir("tiny", home=tmp_path_factory.mktemp("kvtier-home"))
 
 
+# -- the modules that start vLLM go first ------------------------------------------------------
+HEAVY_FIRST = ("test_vllm_connector.py", "test_real_model.py", "test_vllm_two_instances.py", "test_quickstart.py",
+               "test_serve_bench.py", "test_leases.py", "test_daemon.py", "test_vllm_conversations.py",
+               "test_vllm_serve.py", "test_launch.py", "test_hostile.py", "test_mooncake.py", "test_trust.py",
+               "test_vllm_stall.py", "test_demo.py")
+"""Modules whose engines or servers take most of the suite's time (tens of seconds to minutes
+each), in the order of their measured cost (`pytest --durations=0`, 2026-12-07): run first, so
+that `make test`'s two workers (pytest-xdist, a module each at a time) end together rather than
+one waiting for the other's last minute-long module."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # (stable: the rest as collected)
+
+
 # -- nothing of the suite is left in /dev/shm ---------------------------------------------------
 SHM = "/dev/shm"
 _shm_before: set[str] = set()

@@ -31,10 +31,13 @@ def _scheduler(llm):  # type: ignore[no-untyped-def]
 
 
 def drain(llm, timeout_s: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
-    """Step ``llm``'s engine until no finished request waits for its save; False on timeout."""
+    """Step ``llm``'s engine until no finished request waits for its save (nor a save for the
+    ranks' verdict); False on timeout."""
     core, scheduler = _scheduler(llm)
     deadline = time.monotonic() + timeout_s
-    while scheduler.has_finished_requests() or scheduler.finished_req_ids:
+    connector = getattr(scheduler, "connector", None)
+    while scheduler.has_finished_requests() or scheduler.finished_req_ids \
+            or (connector is not None and connector.has_pending_push_work()):  # (ranks' votes)
         if time.monotonic() > deadline:
             return False
         core.step()
@@ -69,5 +72,7 @@ def reset_cache(llm, timeout_s: float = 60.0) -> bool:  # type: ignore[no-untype
                     warned = True
                 core.step()
         if time.monotonic() > deadline:
+            if core is not None:  # kvtier's part at least (vLLM calls it when it does not raise)
+                llm.reset_prefix_cache(reset_connector=True)
             return False
         time.sleep(RETRY_S)
