@@ -5,7 +5,6 @@ vLLM cannot do while a save runs: ``test_vllm_conversations.py``."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +15,7 @@ from kvtier.engines.vllm.plan import KVTierMetadata
 from kvtier.engines.vllm.scheduler import SchedulerSide
 from kvtier.server.client import StoreClient
 
-from .test_vllm_votes import ranks, run
-from .vllm_fakes import BLOCK, CHUNK, LAYOUT, FakeClient
+from .vllm_fakes import BLOCK, CHUNK, LAYOUT, FakeClient, finished_on_every_rank, ranks, run
 
 
 def test_a_finish_planned_before_a_reset_is_dropped_and_every_rank_frees_its_blocks(tmp_path):
@@ -43,15 +41,7 @@ def test_a_finish_planned_before_a_reset_is_dropped_and_every_rank_frees_its_blo
         run(workers, sched.tally, meta)
         verdicts = sched.tally.take_verdicts()
         assert verdicts == {finish.vote: True} and not sched.tally.pending
-        done: list[set[str]] = [set(), set()]
-        meta, deadline = KVTierMetadata(verdicts=verdicts), time.monotonic() + 10
-        while done != [{"R"}] * 2 and time.monotonic() < deadline:
-            for rank, w in enumerate(workers):
-                w.bind(meta)
-                w.wait_for_save()
-                done[rank] |= w.get_finished(set())[0] or set()
-            meta = KVTierMetadata()
-            time.sleep(0.01)
+        done = finished_on_every_rank(workers, KVTierMetadata(verdicts=verdicts), {"R"})
         assert done == [{"R"}] * 2 and all(c.committed == [] for c in clients)  # freed, nothing saved
     finally:
         sched.close()

@@ -19,7 +19,7 @@ from kvtier.engines.vllm.pages import adapter_for
 from kvtier.engines.vllm.plan import KVTierMetadata, Transfer, Write
 from kvtier.engines.vllm.worker import WorkerSide
 
-from .vllm_fakes import BLOCK, LAYOUT, NUM_BLOCKS, FakeClient, key, load, step, worker
+from .vllm_fakes import BLOCK, LAYOUT, NUM_BLOCKS, FakeClient, GatedReserve, key, load, step, worker
 
 
 def finished(w: WorkerSide, rids: set[str], seconds: float = 10) -> set[str]:
@@ -68,18 +68,6 @@ def test_unregister_and_restore_are_idempotent_and_a_disabled_worker_stays_disab
     bad.unregister()
     bad.restore()
     assert not bad.enabled
-
-
-class GatedReserve(FakeClient):
-    """A reserve that waits for ``gate`` (a daemon slow to answer a finished request's save)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-
-    def reserve(self, keys, first=0, request=None, tail_tokens=0):
-        assert self.gate.wait(10)
-        return super().reserve(keys, first, request, tail_tokens)
 
 
 def test_unregister_returns_only_once_a_finished_requests_save_on_its_thread_is_done():

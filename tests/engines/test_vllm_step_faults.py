@@ -6,7 +6,6 @@ A fake daemon client injects each fault (tests/engines/vllm_fakes.py); the worke
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ pytest.importorskip("vllm")
 
 from kvtier.engines.vllm.plan import KVTierMetadata, KVTierWorkerMeta, Transfer, Write
 
-from .vllm_fakes import FakeClient, key, load, step, worker
+from .vllm_fakes import FakeClient, GatedReserve, key, load, step, worker
 
 
 class Slow(FakeClient):
@@ -156,14 +155,7 @@ def test_a_layer_copy_that_raises_never_takes_the_forward_pass_down_and_commits_
 
 
 def test_a_deferred_copy_that_raises_abandons_its_lease():
-    class Late(FakeClient):
-        gate = threading.Event()
-
-        def reserve(self, *a, **kw):
-            self.gate.wait(5)
-            return super().reserve(*a, **kw)
-
-    client = Late()
+    client = GatedReserve()
     w = worker(client)
     blocks = [0, 1, 2, 3]
     w.bind(KVTierMetadata(saves=[Transfer("A", [key(1)], 1, blocks)], writes=[Write("A", blocks, 7, 8)]))
@@ -227,14 +219,7 @@ def test_finished_requests_behind_a_stalled_daemon_are_let_go_not_waited_for_in_
 
     monkeypatch.setattr(finished_saves, "STALLED_S", 0.1)
 
-    class Stalled(FakeClient):
-        gate = threading.Event()
-
-        def reserve(self, *a, **kw):
-            self.gate.wait(10)
-            return super().reserve(*a, **kw)
-
-    client = Stalled()
+    client = GatedReserve()
     w = worker(client, inline=True)
     fins = [Transfer(f"F{i}", [key(i)], 0, [2 * i, 2 * i + 1]) for i in range(3)]
     step(w, KVTierMetadata(finishes=fins))

@@ -24,32 +24,19 @@ from kvtier.engines.vllm.votes import Tally
 from kvtier.engines.vllm.worker import WorkerSide
 from kvtier.server.client import StoreClient
 
-from .vllm_fakes import BLOCK, CHUNK, LAYOUT, NUM_BLOCKS, FakeClient, key, load, step
-
-
-def ranks(clients: list[FakeClient]) -> list[WorkerSide]:
-    out = []
-    for client in clients:
-        w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), ranks=len(clients))
-        w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(LAYOUT.num_layers)}, NUM_BLOCKS)
-        assert w.enabled
-        out.append(w)
-    return out
-
-
-def run(workers: list[WorkerSide], tally: Tally, meta: KVTierMetadata) -> dict[int, set[int]]:
-    """One step on every rank, in order (stage 0 first); their metadata merged as vLLM merges
-    it and counted. Returns each rank's load errors."""
-    errors = {r: step(w, meta) for r, w in enumerate(workers)}
-    merged = None
-    for w in workers:
-        m = w.take_meta()
-        if m is not None:
-            merged = m if merged is None else merged.aggregate(m)
-    if merged is not None:
-        tally.count(merged.votes)
-    return errors
-
+from .vllm_fakes import (
+    BLOCK,
+    CHUNK,
+    LAYOUT,
+    NUM_BLOCKS,
+    FakeClient,
+    finished_on_every_rank,
+    key,
+    load,
+    ranks,
+    run,
+    step,
+)
 
 A = [0, 1, 2, 3]  # request A's blocks: chunk 0 loaded (blocks 0-1), chunk 1 computed (blocks 2-3)
 
@@ -101,7 +88,6 @@ def test_one_rank_whose_lease_did_not_come_vetoes_everyone():
 def test_a_finished_requests_save_starts_only_on_a_yes():
     """A finished request's blocks are kept until its save is done: no rank saves it before
     every rank said yes, and one that some rank found suspect is let go unsaved everywhere."""
-    import time
 
     clients = [FakeClient(), FakeClient(give={"B": 0})]
     workers, tally = ranks(clients), Tally(2)
@@ -113,17 +99,7 @@ def test_a_finished_requests_save_starts_only_on_a_yes():
     assert all(c.reserved == [] for c in clients)
     verdicts = tally.take_verdicts()
     assert verdicts == {fin_a.vote: True, fin_b.vote: False}
-    done: list[set[str]] = [set(), set()]
-    meta = KVTierMetadata(verdicts=verdicts)
-    deadline = time.monotonic() + 10
-    while done != [{"A", "B"}] * 2 and time.monotonic() < deadline:
-        for r, w in enumerate(workers):
-            w.bind(meta)
-            w.wait_for_save()
-            done[r] |= w.get_finished(set())[0] or set()
-        meta = KVTierMetadata()
-        time.sleep(0.01)
-    assert done == [{"A", "B"}] * 2
+    assert finished_on_every_rank(workers, KVTierMetadata(verdicts=verdicts), {"A", "B"}) == [{"A", "B"}] * 2
     assert all(c.committed == [("A", [key(4)])] for c in clients)
 
 

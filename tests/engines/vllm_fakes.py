@@ -5,11 +5,15 @@ runner drives it."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from kvtier.core.layout import KVLayout
 from kvtier.engines.vllm.pages import adapter_for
 from kvtier.engines.vllm.plan import KVTierMetadata, Transfer
+from kvtier.engines.vllm.votes import Tally
 from kvtier.engines.vllm.worker import WorkerSide
 
 BLOCK = 4
@@ -104,3 +108,59 @@ def step(w: WorkerSide, meta: KVTierMetadata, *, loads_after_forward=False, erro
 
 def load(rid, keys, blocks, first=0, skip=0, tail=0) -> Transfer:
     return Transfer(rid, keys, first, blocks, skip_blocks=skip, tail_blocks=tail)
+
+
+class GatedReserve(FakeClient):
+    """A reserve that waits for ``gate`` (a daemon slow to answer, or stalled, until it opens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def reserve(self, keys, first=0, request=None, tail_tokens=0):
+        self.gate.wait(10)
+        return super().reserve(keys, first, request, tail_tokens)
+
+
+# -- the ranks of a multi-rank engine ----------------------------------------------------------
+
+def ranks(clients: list[FakeClient]) -> list[WorkerSide]:
+    """A worker half per client, each a rank of an engine of ``len(clients)`` ranks."""
+    out = []
+    for client in clients:
+        w = WorkerSide(client, client, LAYOUT, BLOCK, adapter_for("CPU_ATTN"), ranks=len(clients))
+        w.register({f"l{i}": torch.zeros(NUM_BLOCKS, 1, BLOCK, 4) for i in range(LAYOUT.num_layers)}, NUM_BLOCKS)
+        assert w.enabled
+        out.append(w)
+    return out
+
+
+def run(workers: list[WorkerSide], tally: Tally, meta: KVTierMetadata) -> dict[int, set[int]]:
+    """One step on every rank, in order (stage 0 first); their metadata merged as vLLM merges
+    it and counted. Returns each rank's load errors."""
+    errors = {r: step(w, meta) for r, w in enumerate(workers)}
+    merged = None
+    for w in workers:
+        m = w.take_meta()
+        if m is not None:
+            merged = m if merged is None else merged.aggregate(m)
+    if merged is not None:
+        tally.count(merged.votes)
+    return errors
+
+
+def finished_on_every_rank(workers: list[WorkerSide], meta: KVTierMetadata, want: set[str],
+                           timeout_s: float = 10.0) -> list[set[str]]:
+    """Steps on every rank (the first carrying ``meta``, the others empty, as vLLM steps while it
+    keeps finished requests' blocks) until each rank reported ``want`` finished, or
+    ``timeout_s``; what each rank reported."""
+    done: list[set[str]] = [set() for _ in workers]
+    deadline = time.monotonic() + timeout_s
+    while done != [want] * len(workers) and time.monotonic() < deadline:
+        for rank, w in enumerate(workers):
+            w.bind(meta)
+            w.wait_for_save()
+            done[rank] |= w.get_finished(set())[0] or set()
+        meta = KVTierMetadata()
+        time.sleep(0.01)
+    return done

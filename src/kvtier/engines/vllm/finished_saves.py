@@ -118,16 +118,25 @@ class FinishedSaves:
                         tail_blocks=save.tail_blocks if hi == len(save.keys) else 0)
 
     def _let_go(self) -> None:
-        """The daemon is stalled: every finished request waiting for a reserve is reported done
-        unsaved; a lease that still comes is abandoned (on the calls' thread)."""
+        """The daemon is stalled: the finished requests copied inline are let go unsaved."""
+        log.warning("kvtier: the daemon has not answered for %.0f s; %d finished requests are not saved",
+                    STALLED_S, self._drop_saving())
+
+    def _drop_saving(self) -> int:
+        """Report every finished request copied inline done, unsaved (vLLM frees its blocks); a
+        reserve not sent yet never is, a lease that comes (or came) is abandoned on the calls'
+        thread. How many were dropped."""
         for f in self._saving:
             if not f.future.cancel():  # running, or done: whatever it got is ended
-                self._bg_calls.when_done(f.future, lambda lease: lease is not None and self._bg_client.abandon(lease))
+                self._bg_calls.when_done(f.future, self._abandon_bg_late)
             self._retry.pop(f.save.req_id, None)
             self._mark_done(f.save.req_id)
-        log.warning("kvtier: the daemon has not answered for %.0f s; %d finished requests are not saved",
-                    STALLED_S, len(self._saving))
-        self._saving = []
+        dropped, self._saving = len(self._saving), []
+        return dropped
+
+    def _abandon_bg_late(self, lease: WriteLease | None) -> None:
+        if lease is not None:
+            self._bg_client.abandon(lease)
 
     @staticmethod
     def _bg_result(future: Future) -> WriteLease | None:

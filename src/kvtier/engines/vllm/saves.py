@@ -148,11 +148,15 @@ class Saves:
         first = save.first_chunk + done
         self._unsaved[save.req_id] = min(first, self._unsaved.get(save.req_id, first))
 
-    @staticmethod
-    def _busy(lease: WriteLease) -> list[int]:
-        """Indices of ``lease``'s chunks another writer was writing: no slot, and not held."""
-        return [j for j, (view, held) in enumerate(zip(lease.views, lease.held, strict=True))
+    def _busy(self, lease: WriteLease) -> list[int]:
+        """Indices of ``lease``'s chunks another writer was writing (no slot, and not held),
+        counted in ``chunks_busy``."""
+        busy = [j for j, (view, held) in enumerate(zip(lease.views, lease.held, strict=True))
                 if view is None and not held]
+        if busy:
+            with self._done_lock:  # (the engine's thread and the finishing thread count)
+                self.chunks_busy += len(busy)
+        return busy
 
     def _report_busy(self, save: Transfer, lease: WriteLease, done: int) -> None:
         """Chunks another writer was writing (``lease`` covers chunks ``done...`` of ``save``)
@@ -161,8 +165,6 @@ class Saves:
         taken for stored."""
         busy = self._busy(lease)
         if busy:
-            with self._done_lock:  # (the engine's thread and the finishing thread count)
-                self.chunks_busy += len(busy)
             self._replan(save, done + busy[0])
 
     def _busy_chunks(self, save: Transfer, lease: WriteLease, done: int) -> None:
@@ -170,8 +172,6 @@ class Saves:
         chunks to ask for again once its other chunks are saved (:mod:`.finished_saves`)."""
         busy = self._busy(lease)
         if busy:
-            with self._done_lock:  # (the engine's thread and the finishing thread count)
-                self.chunks_busy += len(busy)
             self._retry.setdefault(save.req_id, set()).update(done + j for j in busy)
 
     def _reserve(self, save: Transfer, done: int) -> WriteLease | None:
@@ -180,7 +180,7 @@ class Saves:
         got = self._calls.call(
             lambda: self.client.reserve(save.keys[done:], first=save.first_chunk + done, request=save.req_id,
                                         tail_tokens=self._tail_tokens(save)),
-            self.wait_s, _LATE, late=lambda lease: lease is not None and self.client.abandon(lease))
+            self.wait_s, _LATE, late=self._abandon_late)
         if got is _LATE:
             self._skipped(save, done)
             return None

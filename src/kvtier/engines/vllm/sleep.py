@@ -61,12 +61,10 @@ class Sleep:
             self._end_step(failed=True)
         for pool in (self._receiving, self._finishing):  # one thread each, first in first out
             _drain(pool)
-        for f in self._saving:  # copied inline, on the engine's thread: not begun, never will be
-            self._bg_calls.when_done(f.future, lambda lease: lease is not None and self._bg_client.abandon(lease))
-            self._mark_done(f.save.req_id)
+        self._drop_saving()  # copied inline, on the engine's thread: not begun, never will be
         for _, f in self._held_finishes.values():  # waiting for a verdict: never begun either
             self._mark_done(f.req_id)
-        self._saving, self._held_finishes = [], {}
+        self._held_finishes = {}
         if self._copier is not None:
             self._copier.sync()
             self._copier.sync_now()

@@ -387,13 +387,12 @@ class WorkerSide(Loads, Saves, FinishedSaves, Suspects, Votes, Sleep):
     def close(self) -> None:
         self._receiving.shutdown(wait=True)
         self._finishing.shutdown(wait=True)
-        for f in self._saving:  # never copied: their slots go back
-            self._bg_calls.when_done(f.future, lambda lease: lease is not None and self._bg_client.abandon(lease))
+        self._drop_saving()  # never copied: their slots go back
         for future in self._reserving:  # a step that never ended
             if future is not None:
                 self._calls.when_done(future, self._abandon_late)
         for _, lease in self._held.values():  # no verdict came: never committed
             self._calls.submit(lambda lease=lease: self.client.abandon(lease))
-        self._saving, self._reserving, self._held, self._held_finishes = [], [], {}, {}
+        self._reserving, self._held, self._held_finishes = [], {}, {}
         self._bg_calls.close()
         self._calls.close()
