@@ -36,6 +36,7 @@ from kvtier.launch import (
 from kvtier.launch_args import CPU_KV_MAX, CPU_KV_MIN, cause_lines, cpu_kv_cache, kv_memory_set_by
 
 from .daemon_process import daemon_stats
+from .remote_servers import wait_until
 
 KVTIER = str(Path(sys.executable).with_name("kvtier"))
 CHUNK = 64
@@ -209,7 +210,9 @@ def chat(served):
         {"role": "user", "content": "Explain why a prefix cache helps multi-turn chat. " * 3},
     ]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    before = served.stats()
+    # The reply returns before its prompt's chunks are committed (saves are asynchronous); under a
+    # busy machine the commit can trail the reply by seconds. Turn 2 is asked once they are in.
+    before = wait_until(lambda: (s := served.stats())["tiers"]["host"]["chunks"] >= 4 and s, timeout_s=30)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And on SSD?"}]
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
