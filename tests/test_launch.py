@@ -183,7 +183,7 @@ def served(tiny_model_dir, tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(err, "w") as errf:
         proc = subprocess.Popen(
-            [KVTIER, "serve", str(tiny_model_dir), "--host-bytes", "64MiB", "--port", str(port),
+            [KVTIER, "serve", str(tiny_model_dir), "--host-bytes", "4MiB", "--port", str(port),
              "--socket", str(sock), "--chunk-tokens", str(CHUNK), "--grace-s", "30",
              "--disk-path", str(tmp / "ssd"), "--disk-bytes", "256MiB",
              "--", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
@@ -229,6 +229,115 @@ def test_kvtier_serve_holds_a_chat_whose_second_turn_hits_kvtier(chat):
     # vLLM's own prefix cache is off: what it reports cached came from kvtier
     assert second.usage.prompt_tokens_details.cached_tokens >= 4 * CHUNK
     assert second.choices[0].message.content
+
+
+# -- session hints through the OpenAI API, on the same server ----------------------------------
+
+def _complete(served: Served, prompt: list[int], rid: str, hint: dict | None = None):  # type: ignore[type-arg]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", timeout=120)
+    body: dict[str, object] = {"ignore_eos": True, "min_tokens": 2}
+    if hint is not None:
+        body["kv_transfer_params"] = {"kvtier": hint}
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                     extra_body=body, extra_headers={"X-Request-Id": rid})
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 100) for _ in range(n)]  # (the tiny model's vocabulary: 102)
+
+
+def _loaded(served: Served, rid: str) -> dict[str, int]:
+    """Tier -> tokens the request ``rid`` loaded, as the daemon logged them at load time."""
+    from kvtier.server.client import StoreClient
+
+    client = StoreClient(str(served.socket), timeout_s=5.0)
+    try:
+        found = client.request_loads(rid)
+    finally:
+        client.close()
+    return {t: n for rec in found.values() for t, n in rec["tokens"].items()}  # type: ignore[union-attr]
+
+
+def _saved(served: Served, chunks: int) -> None:
+    """Wait until the daemon has committed at least ``chunks`` saves (saves trail replies)."""
+    wait_until(lambda: served.stats()["saved_chunks"] >= chunks, timeout_s=30)
+
+
+@pytest.mark.slow
+def test_a_malformed_session_hint_gets_a_400_naming_the_field(served, chat):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(served, _tokens(0, 8), "bad-hint", {"session": "s", "retain_s": "soon"})
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == "kv_transfer_params.kvtier.retain_s", err.value.body
+    assert "retain_s must be a number of seconds" in err.value.body["message"]
+    _complete(served, _tokens(0, 8), "good-hint", {"session": "s"})  # and the server serves on
+
+
+@pytest.mark.slow
+def test_a_finished_sessions_chunks_go_before_an_active_ones(served, chat):
+    # DRAM holds 64 chunks. C is retained, D says it is done; then unhinted requests fill DRAM
+    # twice over: D's chunks go down to SSD first, C's stay in DRAM.
+    c, d = _tokens(1, 10 * CHUNK + 5), _tokens(2, 10 * CHUNK + 5)
+    base = served.stats()["saved_chunks"]
+    _complete(served, c, "hint-c1", {"session": "C", "retain_s": 120})
+    _complete(served, d, "hint-d1", {"session": "D", "done": True})
+    _saved(served, base + 20)
+    for i in range(4):
+        _complete(served, _tokens(10 + i, 30 * CHUNK + 5), f"flood-{i}")
+    _saved(served, base + 140)
+    _complete(served, c + _tokens(3, CHUNK), "hint-c2", {"session": "C", "retain_s": 120})
+    _complete(served, d + _tokens(4, CHUNK), "hint-d2")
+    assert _loaded(served, "hint-c2") == {"host": 10 * CHUNK}
+    assert _loaded(served, "hint-d2").get("disk", 0) == 10 * CHUNK
+
+
+@pytest.mark.slow
+def test_a_hinted_session_is_back_in_dram_when_its_next_step_arrives(served, chat):
+    # A comes back in 24 s. Sessions due sooner (B: in 1 s, kept 3 s) fill DRAM twice over and
+    # push A down to SSD; once they are over, A is staged back into DRAM ahead of its return
+    # (from 12 s before it), with no request touching it, and its next step loads from DRAM only.
+    a = _tokens(20, 10 * CHUNK + 5)
+    base = served.stats()
+    _complete(served, a, "hint-a1", {"session": "A", "retain_s": 60, "return_s": 24})
+    t0 = time.monotonic()
+    _saved(served, base["saved_chunks"] + 10)
+    for i in range(4):
+        _complete(served, _tokens(30 + i, 30 * CHUNK + 5), f"hint-b{i}", {"session": f"B{i}", "retain_s": 3, "return_s": 1})
+    _saved(served, base["saved_chunks"] + 130)
+    assert time.monotonic() - t0 < 16, "the flood took too long to test staging ahead of A's return"
+    time.sleep(max(0.0, t0 + 22 - time.monotonic()))
+    _complete(served, a + _tokens(21, CHUNK), "hint-a2", {"session": "A", "done": True})
+    after = served.stats()
+    staged = after["hint_staged_chunks"] - base["hint_staged_chunks"]
+    assert staged >= 10  # A's chunks were below DRAM and were brought back by the hint
+    assert _loaded(served, "hint-a2") == {"host": 10 * CHUNK}
+
+
+@pytest.mark.slow
+def test_a_mooncake_trace_is_served_with_its_prefix_sharing_and_exact_reply_lengths(served, chat, tmp_path):
+    import json
+
+    from kvtier.bench.serve_trace import TraceScale, run_trace, trace_workload
+
+    rows = [{"timestamp": 0, "input_length": 2500, "output_length": 3, "hash_ids": [900, 901, 902, 903, 904]},
+            {"timestamp": 1500, "input_length": 2100, "output_length": 5, "hash_ids": [900, 901, 902, 903, 905]},
+            {"timestamp": 1600, "input_length": 300, "output_length": 1, "hash_ids": [906]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work = trace_workload(path, TraceScale(block_tokens=64), 102)  # a chunk per block
+    assert [len(p) for p in work.prompts] == [4 * 64 + 56, 4 * 64 + 6, 38]  # (452, 52, 300 tokens x 64/512)
+    records = run_trace(f"http://127.0.0.1:{served.port}/v1", "tiny", work.prompts, work.outputs, work.arrivals_s)
+    assert [r.completion_tokens for r in records] == [3, 5, 1]  # each reply exactly its length
+    assert [r.prompt_tokens for r in records] == [len(p) for p in work.prompts]
+    # the second row shares four blocks with the first: vLLM's prefix cache is off, so what it
+    # reports cached came from kvtier (saved from the first request 1.5 s earlier)
+    assert records[1].cached_tokens == 4 * 64 and records[2].cached_tokens == 0
+    assert [t.turn for t in work.turn_records(records)] == [0, 1, 0]
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from typing import Self
 from kvtier.errors import DaemonUnavailable, KVTierError
 from kvtier.launch_args import (
     CONNECTOR_MODULE,
+    HINT_MIDDLEWARE,
     OWNED_FLAGS,
     PROFILE_MODULE,
     cause_lines,
@@ -313,6 +314,8 @@ class ServeStack:
             connector = profiled(connector, spec.profile_dir, spec.profile_module)
         if connector is not None:
             argv += ["--kv-transfer-config", json.dumps(connector)]
+        if self.socket is not None:  # a malformed session hint: HTTP 400 naming its field
+            argv += ["--middleware", HINT_MIDDLEWARE]
         self.vllm = _Child("vllm", argv, self.workdir / "vllm.log", env=spec.env)
         deadline = time.monotonic() + spec.ready_timeout_s
         while not self._healthy():

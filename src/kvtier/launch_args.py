@@ -10,11 +10,31 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CONNECTOR_MODULE", "CPU_KV_MAX", "CPU_KV_MIN", "KV_MEMORY_FLAGS", "OWNED_FLAGS", "PROFILE_MODULE",
-           "VLLM_BASE_BYTES", "KVCachePlan", "cause_lines", "cpu_kv_cache", "flag_name", "has_flag",
-           "kv_memory_set_by", "kv_transfer_config", "names_flag", "profiled", "refuse_owned_flags"]
+__all__ = [
+    "CONNECTOR_MODULE",
+    "CPU_KV_MAX",
+    "CPU_KV_MIN",
+    "HINT_MIDDLEWARE",
+    "KV_MEMORY_FLAGS",
+    "OWNED_FLAGS",
+    "PROFILE_MODULE",
+    "VLLM_BASE_BYTES",
+    "KVCachePlan",
+    "cause_lines",
+    "cpu_kv_cache",
+    "flag_name",
+    "has_flag",
+    "kv_memory_set_by",
+    "kv_transfer_config",
+    "names_flag",
+    "profiled",
+    "refuse_owned_flags",
+]
 
 CONNECTOR_MODULE = "kvtier.engines.vllm"
+HINT_MIDDLEWARE = "kvtier.engines.vllm.hint_check.HintCheck"
+"""vLLM's ``--middleware`` that answers a malformed session hint with HTTP 400
+(:mod:`kvtier.engines.vllm.hint_check`)."""
 OWNED_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
 """vLLM flags the stack sets itself; a user's copy in the passthrough flags is refused."""
 PROFILE_MODULE = "kvtier.bench.peers.connector_profile"

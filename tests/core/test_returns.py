@@ -321,10 +321,11 @@ def test_the_live_store_stages_a_conversation_in_the_background_before_it_comes_
         layout, tmp_path, monkeypatch):
     import kvtier.store.cache as cache_module
     import kvtier.store.cache_reads as cache_reads_module
+    import kvtier.store.cache_requests as cache_requests_module
     import kvtier.store.cache_writes as cache_writes_module
 
     clock = Clock()
-    for module in (cache_module, cache_reads_module, cache_writes_module):
+    for module in (cache_module, cache_reads_module, cache_requests_module, cache_writes_module):
         monkeypatch.setattr(module, "time", clock)  # the requests' start times, as begin sees them
     c = layout.chunk_tokens
     alice = list(range(2 * c))
@@ -354,10 +355,11 @@ def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_
         layout, tmp_path, monkeypatch, reply_saved_after_finished):
     import kvtier.store.cache as cache_module
     import kvtier.store.cache_reads as cache_reads_module
+    import kvtier.store.cache_requests as cache_requests_module
     import kvtier.store.cache_writes as cache_writes_module
 
     clock = Clock()
-    for module in (cache_module, cache_reads_module, cache_writes_module):
+    for module in (cache_module, cache_reads_module, cache_requests_module, cache_writes_module):
         monkeypatch.setattr(module, "time", clock)
     c = layout.chunk_tokens
     tokens = list(range(c))
@@ -378,7 +380,7 @@ def test_the_live_store_tells_the_policy_when_a_turn_arrived_and_when_its_reply_
             if not reply_saved_after_finished:
                 store.finished(name)
             clock.now += 12.0  # she reads and answers
-        sessions = list(store.cache.placement.policies[0]._sessions.values())
+        sessions = list(store.cache.placement.policies[0].inner._sessions.values())
         assert len(sessions) == 1  # the reply's save was her request's: one session, one use each
         # (bob's requests touch nothing of their own)
         alice = sessions[0]

@@ -106,12 +106,12 @@ def test_the_daemon_path_and_recovery_give_the_policy_every_chunks_position(layo
             cache.commit(res, position=i)
             cache.touch([key], start=i)
         assert cache.flush()
-        policy = cache.placement.policies[0]
+        policy = cache.placement.policies[0].inner  # (under the session hints' wrapper)
         assert all(math.isfinite(p) for p in policy._resident.values())
         assert math.isfinite(policy._inflation)
     with ChunkCache(config) as cache:  # restarted: every chunk comes back from SSD, ranked
         assert [cache.disk.position_of(k) for k in keys] == list(range(12))
-        ssd_policy = cache.placement.policies[1]
+        ssd_policy = cache.placement.policies[1].inner
         assert len(ssd_policy._resident) == 12
         assert all(math.isfinite(p) for p in ssd_policy._resident.values())
         assert [cache.index.position(k) for k in keys] == list(range(12))

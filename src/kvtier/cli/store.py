@@ -38,12 +38,15 @@ def _gone(ctx: click.Context, param: click.Parameter, value: object) -> None:
               help="Also write every saved chunk to SSD (in the background).")
 @click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--hint-share", type=click.FloatRange(0.0, 1.0), default=None,
+              help="Share of DRAM + SSD one tenant's retained sessions (session hints) may hold "
+                   "[default: 0.5; 0: no retention].")
 @click.option("--model", hidden=True, callback=_gone, expose_value=False)
 @click.option("--model-dir", hidden=True, callback=_gone, expose_value=False)
 def store_serve(config_path: str | None, socket_path: str | None, host_bytes: int | None,
                 disk_path: str | None, disk_bytes: int | None, disk_codec: str | None,
                 policy: str | None, tenant: str | None,
-                write_through: bool | None, metrics_port: int | None) -> None:
+                write_through: bool | None, metrics_port: int | None, hint_share: float | None) -> None:
     """Run the store daemon until interrupted (no model needed: clients name theirs)."""
     import logging
     import signal
@@ -57,7 +60,7 @@ def store_serve(config_path: str | None, socket_path: str | None, host_bytes: in
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     flags = {"socket": socket_path, "policy": policy, "tenant": tenant,
-             "write_through": write_through, "metrics_port": metrics_port}
+             "write_through": write_through, "metrics_port": metrics_port, "hint_share": hint_share}
     raw.update({k: v for k, v in flags.items() if v is not None})
     if host_bytes is not None:
         raw["host"] = {**dict(raw.get("host") or {}), "capacity_bytes": host_bytes}  # type: ignore[call-overload]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.core.keys import ChunkKey, chunk_tokens_of
+from kvtier.core.session_hints import SessionHint
 from kvtier.errors import DaemonUnavailable
 from kvtier.server.lease_client import LeaseClient
 from kvtier.store.packing import LayerKV, check_kv, pack_chunk, unpack_layer
@@ -160,13 +161,17 @@ class StoreClient(LeaseClient):
             return 0
 
     def queued(self, request_id: str, keys: Sequence[ChunkKey], *, wait: bool = False,
-               tenant: str | None = None, prefetch: bool = True) -> int:
+               tenant: str | None = None, prefetch: bool = True, hint: SessionHint | None = None) -> int:
         """A request waits to be served: the daemon's policies hear of it and, unless not
         ``prefetch``, its held chunks are prefetched into DRAM
-        (:meth:`kvtier.store.cache.ChunkCache.queued`). 0 if unavailable."""
+        (:meth:`kvtier.store.cache.ChunkCache.queued`). ``hint``: its session hint (the daemon
+        ranks its session's chunks by it: :mod:`kvtier.core.sessions`). ``tenant`` binds the
+        keys, as in every call; the hint's quota is ``hint.tenant``'s, else ``tenant``'s. 0 if
+        unavailable."""
+        extra = {"hint": hint.as_dict()} if hint is not None else {}
         try:
             _, reply = self._link.call("queued", self._wait_timeout(wait), request_id=request_id,
-                                       keys=list(keys), wait=wait, tenant=tenant, prefetch=prefetch)
+                                       keys=list(keys), wait=wait, tenant=tenant, prefetch=prefetch, **extra)
             return int(reply.get("promoted", 0))  # type: ignore[call-overload]
         except DaemonUnavailable as exc:
             self._failed("queued", exc)
@@ -189,6 +194,12 @@ class StoreClient(LeaseClient):
     def stats(self) -> dict[str, object]:
         """The daemon's snapshot; raises DaemonUnavailable (for ``kvtier store stats``)."""
         return self._link.call("stats")[1]["stats"]  # type: ignore[return-value]
+
+    def request_loads(self, match: str = "", limit: int = 4096) -> dict[str, dict[str, object]]:
+        """Request id (as the daemon names it: ``<instance>/<id>``) -> where its loads came from
+        (tier -> tokens), what it held, what failed, how long its steps waited; the latest
+        ``limit`` ids containing ``match``. Raises DaemonUnavailable."""
+        return self._link.call("request_loads", match=match, limit=limit)[1]["requests"]  # type: ignore[return-value]
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the daemon's background work (write-through copies, prefetches, uploads)

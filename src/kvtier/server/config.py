@@ -5,6 +5,7 @@
     policy = "lru"
     tenant = ""                          # the tenant of clients that name none
     write_through = false
+    hint_share = 0.5                     # one tenant's retained sessions: at most this share of DRAM + SSD
     metrics_port = 9400                  # Prometheus on 127.0.0.1 (any path but /v1/)
     http_lookup = false                  # true: POST /v1/lookup on that port (kvtier.server.http)
     [host]
@@ -62,7 +63,7 @@ from kvtier.store.config import RemoteConfig
 from kvtier.tiers.disk_config import DiskTierConfig
 from kvtier.tiers.host_config import HostTierConfig
 
-_TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "bool",
+_TOP = {"socket": "str", "policy": "str", "tenant": "str", "write_through": "bool", "hint_share": "float",
         "metrics_port": "int", "http_lookup": "bool", "host": "table", "disk": "table", "remote": "table", "access": "table"}
 _HOST = {"capacity_bytes": "bytes", "extent_bytes": "bytes", "pin_memory": "bool"}
 _DISK = {"path": "str", "capacity_bytes": "bytes", "fsync": "bool", "o_direct": "bool",
@@ -230,7 +231,8 @@ def daemon_config(raw: Mapping[str, object]) -> DaemonConfig:
         access = _access(top["access"]) if top.get("access") is not None else AccessConfig()  # type: ignore[arg-type]
         cache = CacheConfig(host=host, disk=disk, remote=remote,  # type: ignore[arg-type]
                             policy=str(top.get("policy", "lru")),
-                            write_through=bool(top.get("write_through", False)))
+                            write_through=bool(top.get("write_through", False)),
+                            hint_share=float(top.get("hint_share", 0.5)))  # type: ignore[arg-type]
         socket_path = str(top.get("socket") or default_socket_path())
         ensure_socket_dir(socket_path)
         port = top.get("metrics_port")

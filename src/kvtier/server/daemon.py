@@ -43,6 +43,7 @@ from kvtier.server.connections import Connections
 from kvtier.server.leases import LeaseEnded, Leases
 from kvtier.server.ops import OPS
 from kvtier.server.protocol import BadRequest
+from kvtier.server.request_loads import RequestLoads
 from kvtier.server.runtime import (
     SocketClaim,
     new_arena_name,
@@ -100,6 +101,7 @@ class StoreDaemon:
                                        shm_gid=access.group, pin_memory=bool(config.cache.host.pin_memory))
             self.cache = ChunkCache(dataclasses.replace(config.cache, host=host))
             self.leases = Leases(self.cache, access.lease_ttl_s, access.orphan_report_s)
+            self.request_loads = RequestLoads()
             raise_fd_limit(2 * access.max_clients + 256)  # a socket and a pidfd per client
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

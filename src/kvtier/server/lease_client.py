@@ -252,11 +252,12 @@ class LeaseClient:
             return None
 
     def release(self, lease: ReadLease, *, took: Sequence[int] | None = None, had: int = 0,
-                failed: int = 0) -> bool:
+                failed: int = 0, wait_s: float = 0.0) -> bool:
         """End a read lease; True if what was read through it can be trusted (the daemon held
         the pins the whole time). ``took``: tokens the engine used of each chunk (default: all),
-        ``had``: tokens it already held itself, ``failed``: chunks it could not copy -- for the
-        daemon's statistics."""
+        ``had``: tokens it already held itself, ``failed``: chunks it could not copy, ``wait_s``:
+        how long the engine's step waited for its loads -- for the daemon's statistics and its
+        per-request log (:mod:`kvtier.server.request_loads`)."""
         if lease.ended:
             raise ValueError(f"lease {lease.id} is already ended")
         lease.ended = True
@@ -266,7 +267,7 @@ class LeaseClient:
             report = [c] * len(lease.keys) if took is None else [int(t) for t in took]
             try:
                 self._link.leased(lease._conn, "release", lease=lease.id, took=report, had=int(had),
-                             failed=int(failed))
+                                  failed=int(failed), wait_ms=min(3_600_000, max(0, round(wait_s * 1000))))
                 return True
             except LeaseLost as exc:
                 self.lost_leases += 1

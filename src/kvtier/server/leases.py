@@ -72,6 +72,8 @@ class Lease:
     use: int | None
     sources: list[str] = field(default_factory=list)
     """Read lease: the tier each chunk was found in."""
+    request: str | None = None
+    """Read lease: the request it loads for, as the cache names it (its load is logged under it)."""
     writes: dict[int, Reservation] = field(default_factory=dict)
     """Write lease: index in ``keys`` -> its DRAM reservation."""
     expires: float = math.inf

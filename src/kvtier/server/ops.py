@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.core.mover import Shape
+from kvtier.core.session_hints import HintError, parse_hint
 from kvtier.errors import TierFullError
 from kvtier.server import protocol
 from kvtier.server.leases import Lease
@@ -132,7 +133,8 @@ def acquire(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict
         held = held[:good]
     if held:
         daemon.leases.grant(session.leases, Lease(lease_id, session.client, False, [h.key for h in held],
-                                                  first, use, sources=[h.source for h in held]))
+                                                  first, use, sources=[h.source for h in held],
+                                                  request=daemon.request_name(session, protocol.text(req, "request"))))
     return {"ok": True, "lease": lease_id if held else None, "slots": [h.offset for h in held],
             "tiers": [h.source for h in held]}
 
@@ -146,10 +148,22 @@ def release(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict
         took = protocol.integers(req, "took", 0, ns.layout.chunk_tokens, limit=len(lease.keys))
         had = protocol.integer(req, "had", 0, protocol.MAX_TOKENS, default=0)
         failed = protocol.integer(req, "failed", 0, len(lease.keys), default=0)
+        wait_ms = protocol.integer(req, "wait_ms", 0, 3_600_000, default=0)
     except BadRequest:
         return {"ok": True}  # the pins are released anyway; a bad report is not counted
     daemon.cache.count_loaded(zip(lease.sources, took, strict=False), had=had, failed=failed)
+    if lease.request is not None:
+        daemon.request_loads.record(lease.request, zip(lease.sources, took, strict=False), had=had,
+                                    failed=failed, wait_s=wait_ms / 1000)
     return {"ok": True}
+
+
+def request_loads(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
+    """Per request (ids containing ``match``): the tokens it loaded from each tier, what it held,
+    what failed, how long its steps waited (:mod:`kvtier.server.request_loads`)."""
+    part = protocol.text(req, "match") or ""
+    limit = protocol.integer(req, "limit", 1, 65536, default=4096)
+    return {"ok": True, "requests": daemon.request_loads.matching(part, limit)}
 
 def reserve(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
@@ -237,10 +251,16 @@ def queued(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[
     prefetch = req.get("prefetch", True)
     if not isinstance(prefetch, bool):
         raise BadRequest(f"queued prefetch must be true or false, got {prefetch!r}")
+    hint = None
+    if req.get("hint") is not None:  # the request's session hint (kvtier.core.session_hints)
+        try:
+            hint = parse_hint(req["hint"], "hint")
+        except HintError as exc:
+            raise BadRequest(str(exc)) from None
     assert daemon.cache is not None
     name = daemon.request_name(session, request_id)
     return {"ok": True, "promoted": daemon.cache.queued(name, keys, entry=ns.shape, wait=wait,  # type: ignore[arg-type]
-                                                        tenant=tenant, prefetch=prefetch)}
+                                                        tenant=tenant, prefetch=prefetch, hint=hint)}
 
 def started(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     request_id = protocol.text(req, "request_id")
@@ -280,6 +300,7 @@ OPS: dict[str, Callable[[OpsDaemon, dict[str, object], Session], dict[str, objec
     "started": started,
     "finished": finished,
     "stats": stats,
+    "request_loads": request_loads,
     "flush": flush,
 }
 """Operation name -> handler."""

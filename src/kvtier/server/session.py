@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtier.core.keys import ChunkKey, Namespace
 from kvtier.server.leases import Lease, Leases
+from kvtier.server.request_loads import RequestLoads
 from kvtier.server.runtime import Peer, ProcessWatch
 from kvtier.server.settings import ClientNamespace, DaemonConfig
 
@@ -52,6 +53,7 @@ class OpsDaemon(Protocol):
     epoch: bytes
     cache: ChunkCache | None
     leases: Leases
+    request_loads: RequestLoads
 
     def namespace_of(self, session: Session) -> ClientNamespace: ...
 

@@ -24,9 +24,10 @@ Entry lifecycle, as a caller sees it:
 Failure contract: an entry that cannot be read (checksum, missing file, server down) is a miss
 that is counted and forgotten; wrong bytes are never returned.
 
-This module holds the cache's tiers, lock, request hooks and background work; its other parts
+This module holds the cache's tiers, lock and background work; its other parts
 are in :mod:`~kvtier.store.cache_lookups`, :mod:`~kvtier.store.cache_reads`,
-:mod:`~kvtier.store.cache_writes` and :mod:`~kvtier.store.cache_counters`.
+:mod:`~kvtier.store.cache_writes`, :mod:`~kvtier.store.cache_requests` (request hooks and
+session hints) and :mod:`~kvtier.store.cache_counters`.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.mover import Shape
 from kvtier.core.placement import Placement
 from kvtier.core.policies.base import TierContext
+from kvtier.core.policies.hinted import hinted_policies
 from kvtier.core.policy import make_policy
+from kvtier.core.sessions import SessionBook
 from kvtier.store.cache_counters import CacheCounters
 from kvtier.store.cache_lookups import CacheLookups
 from kvtier.store.cache_reads import CacheReads
+from kvtier.store.cache_requests import CacheRequests
 from kvtier.store.cache_writes import CacheWrites, wait_all
 from kvtier.store.config import (
     NOMINAL_CHUNK_BYTES,
@@ -94,7 +98,7 @@ class _Section:
         self._lock.release()
 
 
-class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
+class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters, CacheRequests):
     """Entries across a host DRAM tier, an optional SSD tier and an optional remote tier."""
 
     def __init__(self, config: CacheConfig) -> None:
@@ -148,8 +152,12 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
                                tenant_of=lambda key: self._tenant_of(key))
         self._changed = self.mover.changed
         self.mover.on_relock = self._record_lookups
-        self.placement = Placement(policies, self.mover)
+        # session hints rank chunks in every tier over its policy (:mod:`kvtier.core.sessions`)
+        local = sum(t.capacity for t in self.tiers if t is not self.remote)
+        self.sessions = SessionBook(len(self.tiers), local, config.hint_share)
+        self.placement = Placement(hinted_policies(policies, self.sessions), self.mover)
         self.index = self.placement.index
+        self.sessions.bind(self.index.holds)
         self._remote_level: RemoteLevel | None = None
         if self.remote is not None:
             self._remote_level = RemoteLevel(self.remote, self.remote_level, self.placement, self._lock,  # type: ignore[arg-type]
@@ -161,6 +169,8 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
         self._pending: set[Future] = set()
         self._lookups: deque[tuple[PrefixHit, int, int | None, tuple[int, int] | None]] = deque()
         self._closed = False
+        self._ticks: threading.Thread | None = None
+        self._stop_ticks = threading.Event()
         with self._section:
             for level, tier in enumerate(self.tiers):
                 if level == self.remote_level:
@@ -212,65 +222,6 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self.disk.flush_deletes(left) if self.disk is not None else True
 
-    # -- requests (the policies' notion of a use) ---------------------------------------------
-    def queued(self, request_id: str, keys: Sequence[ChunkKey], *, entry: Shape | None = None,
-               wait: bool = True, tenant: str | None = None, prefetch: bool = True) -> int:
-        """A request arrived and waits to be served; it will need ``keys`` (a prefix). It gets
-        the next number in arrival order, the policies with a look-ahead hear of it, and its
-        held chunks are prefetched into DRAM (now, or with ``wait=False`` in the background;
-        not with ``prefetch=False``: a scheduler that promotes a request's chunks itself when
-        it comes to the head of its queue). Returns how many were promoted (0 when not waited
-        for)."""
-        with self._section:
-            seq = self._requests.queued(request_id)
-            if self.placement.lookahead:
-                self.placement.hint(seq, list(keys), time.monotonic())
-        if not prefetch:
-            return 0
-        return self.prefetch(keys, use=seq, entry=entry, wait=wait, tenant=tenant)
-
-    def started(self, request_id: str) -> int:
-        """The request is being served (before its lookup): the policies ``begin`` it. A request
-        never announced with :meth:`queued` gets its number now. Requests are assumed to start
-        roughly in arrival order: starting one also ends the look-ahead protection of those that
-        arrived before it. What the DRAM policy then stages (conversations it predicts are
-        coming back, see :meth:`~kvtier.core.policies.base.EvictionPolicy.staging`) is
-        prefetched in the background, as a hint is. Returns its number, the ``use`` of its
-        touches."""
-        staged: list[Sequence[ChunkKey]] = []
-        with self._section:
-            seq, new = self._requests.started(request_id)
-            if new:
-                now = time.monotonic()
-                self.placement.begin(seq, now)
-                staged = self.placement.staging(now)
-        for keys in staged:  # outside the lock: prefetch takes it to queue the work
-            self.prefetch(keys, wait=False)
-        return seq
-
-    def use_of(self, request_id: str | None, *, finished: bool = False) -> int | None:
-        """The number of a queued or started request, with ``finished`` also of one finished
-        lately (a save of its reply after its end); None for an unknown one. A few dict reads,
-        without the lock: a lookup does not wait for it."""
-        return self._requests.use_of(request_id, finished=finished)
-
-    def arrived(self, request_id: str | None) -> int | None:
-        """:meth:`use_of`, a request not known yet numbered as queued now (its lookup came
-        before its :meth:`queued` hint, which then finds it: one use of each chunk, not two)."""
-        seq = self._requests.use_of(request_id)
-        if seq is None and request_id is not None:
-            with self._section:
-                seq = self._requests.queued(request_id)
-        return seq
-
-    def finished(self, request_id: str) -> None:
-        """The request's reply is done (the policies hear when: a conversation's next turn
-        comes a think time after it)."""
-        with self._section:
-            seq = self._requests.finished(request_id)
-            if seq is not None:
-                self.placement.finished(seq, time.monotonic())
-
     # -- prefetches and background work -------------------------------------------------------
     def prefetch(self, keys: Sequence[ChunkKey], *, start: int = 0, use: int | None = None,
                  entry: Shape | None = None, wait: bool = True, tenant: str | None = None) -> int:
@@ -286,10 +237,16 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
 
         if wait:
             return work()
+        self._in_background(work)
+        return 0
+
+    def _in_background(self, work: Callable[[], int]) -> None:
+        """Queue a prefetch to the background threads (dropped, counted, when too many wait).
+        Outside the lock."""
         with self._section:
             if self._closed or self._queued_prefetches >= MAX_QUEUED_PREFETCHES:
                 self.stats.prefetches_dropped += 1  # a storm of hints must not queue without end
-                return 0
+                return
             self._queued_prefetches += 1
 
         def queued() -> int:
@@ -300,7 +257,6 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
                     self._queued_prefetches -= 1
 
         self._submit(queued)
-        return 0
 
     def _submit(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on a background thread; :meth:`flush` waits for it. Under the lock or not."""
@@ -334,6 +290,7 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters):
 
     def close(self) -> None:
         self._closed = True
+        self._close_ticks()
         self._background.shutdown(wait=True)
         if self.uploader is not None:
             self.uploader.flush(timeout=30)

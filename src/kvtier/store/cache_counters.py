@@ -34,7 +34,9 @@ class CacheCounters:
             self.stats.engine_load_failures += failed
 
     def snapshot(self) -> dict[str, object]:
-        """Capacity, use and counters per tier, and the store's own counters."""
+        """Capacity, use and counters per tier, and the store's own counters (session hints'
+        included: ``hints_accepted``, ``hints_refused``, ``sessions_retained``, ``sessions_done``,
+        ``hint_stagings``, ``hint_staged_chunks``)."""
         used = [t.used for t in self.tiers]  # (a remote tier's is a round trip: never under the lock)
         with self._section:
             s, ps = self.stats, self.placement.stats
@@ -72,4 +74,5 @@ class CacheCounters:
                 "load_failures": s.load_failures,
                 "engine_load_failures": s.engine_load_failures,
                 "uploads": asdict(self.uploader.stats) if self.uploader is not None else {},
+                **self.hint_counters(),
             }

@@ -109,6 +109,9 @@ class CacheConfig:
     """Tokens per chunk, for the policies' cost model."""
     room_wait_s: float = 2.0
     """How long ``reserve`` waits for evictions other threads are running to free a slot."""
+    hint_share: float = 0.5
+    """The share of the local capacity (DRAM + SSD) one tenant's retained sessions may hold
+    (session hints' ``retain_s``; all tenants together at most 0.9 of it). 0: no retention."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, HostTierConfig):
@@ -128,6 +131,9 @@ class CacheConfig:
             raise ValueError(f"write_through must be true or false, got {self.write_through!r}")
         if isinstance(self.room_wait_s, bool) or not isinstance(self.room_wait_s, (int, float)) or self.room_wait_s < 0:
             raise ValueError(f"room_wait_s must be a number of seconds >= 0, got {self.room_wait_s!r}")
+        if isinstance(self.hint_share, bool) or not isinstance(self.hint_share, (int, float)) \
+                or not 0 <= self.hint_share <= 1:
+            raise ValueError(f"hint_share must be a number from 0 to 1, got {self.hint_share!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,14 @@ out on a thread of their own and are dropped, counted, while :data:`MAX_HINTS` o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.session_hints import HintError, SessionHint
 from kvtier.engines.vllm.lookups import MAX_PENDING_LOOKUPS, _Lookup
-from kvtier.engines.vllm.request_state import skipped
+from kvtier.engines.vllm.request_state import request_hint, skipped
 from kvtier.errors import DaemonUnavailable
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,12 @@ class Hints:
         if skipped(request):
             return
         rid, tokens = str(request.request_id), list(request.all_token_ids)[:-1]
-        self._hint_later(self._queued, request, rid, tokens)
+        hint = request_hint(request)
+        if isinstance(hint, HintError):  # (kvtier serve's API middleware refuses it first)
+            self.hints_malformed += 1
+            log.warning("kvtier: request %s served without its session hint: %s", rid, hint)
+            hint = None
+        self._hint_later(self._queued, request, rid, tokens, hint)
         # its lookup goes out now, for no local tokens (it serves any local hit vLLM then
         # finds: :func:`_serves`): by the step that first asks, the answer is most often back,
         # and no running request's step waits for it
@@ -77,12 +84,16 @@ class Hints:
         self._hints.submit(send)
         return True
 
-    def _queued(self, request, rid: str, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    def _queued(self, request, rid: str, tokens: list[int], hint: SessionHint | None) -> None:  # type: ignore[no-untyped-def]
         try:
             # (no prefetch now: its chunks are promoted when it waits at the queue's head,
             # :meth:`_promote_waiting` -- promoted now, a long queue's arrivals would evict
-            # the chunks of the requests ahead of them, which are served first)
-            self._hint_client.queued(rid, self._full_keys(request, tokens), prefetch=False)
+            # the chunks of the requests ahead of them, which are served first). The session
+            # hint counts against the quota of its tenant, else of the request's cache_salt.
+            salt = getattr(request, "cache_salt", None) or None
+            if hint is not None and hint.tenant is None and salt:
+                hint = dataclasses.replace(hint, tenant=salt)
+            self._hint_client.queued(rid, self._full_keys(request, tokens), prefetch=False, hint=hint)
         except DaemonUnavailable:
             pass
         except Exception:  # a hint must never take the scheduler down

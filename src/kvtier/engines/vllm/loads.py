@@ -41,6 +41,8 @@ class Loads:
             self._send_reserves()
             return
         plan: list[tuple[Transfer, list[torch.Tensor]]] = []
+        t0 = time.monotonic()
+        self._load_wait_s = 0.0
         for load, lease in zip(loads, self._acquire_all(loads), strict=True):
             views = lease.views if lease is not None else []
             if lease is not None:
@@ -54,7 +56,9 @@ class Loads:
         self._copier.start()
         if self.inline:  # every layer now, before the forward pass (see ``inline``)
             self._copy_in(plan)
+            self._load_wait_s += time.monotonic() - t0
             return
+        self._load_wait_s += time.monotonic() - t0
         self._load_thread = threading.Thread(target=self._copy_in, args=(plan,), daemon=True,
                                              name="kvtier-vllm-load")
         self._load_thread.start()
@@ -87,16 +91,20 @@ class Loads:
             return
         layer = self._layer_of.get(layer_name)
         if layer is not None:
+            t0 = time.monotonic()
             self._copier.wait_layer(layer)
+            self._load_wait_s += time.monotonic() - t0
 
     def _finish_loads(self) -> None:
         """Join the copies, end the step's read leases; blocks copied under a lease the daemon
         could not confirm intact (or by a copy that failed) become load errors. Idempotent."""
         if self._load_thread is not None:
+            t0 = time.monotonic()
             self._load_thread.join()
             self._load_thread = None
             assert self._copier is not None
             self._copier.sync()
+            self._load_wait_s += time.monotonic() - t0
         c = self.layout.chunk_tokens
         releases = []
         for load, lease in self._leases:  # sent together, then waited for together
@@ -104,8 +112,8 @@ class Loads:
             had = sum(c - t for t in took) if not load.tail_blocks else 0
             failed = len(lease.views) if self._copy_failed else 0
             releases.append(self._calls.submit(
-                lambda lease=lease, took=took, had=had, failed=failed:
-                self.client.release(lease, took=took, had=had, failed=failed)))
+                lambda lease=lease, took=took, had=had, failed=failed, waited=self._load_wait_s:
+                self.client.release(lease, took=took, had=had, failed=failed, wait_s=waited)))
         for (load, lease), future in zip(self._leases, releases, strict=True):
             # confirmed intact within what is left of the step's budget, else unsure: a miss
             intact = self._calls.wait(future, self.load_wait_s, False) is True
@@ -138,6 +146,7 @@ class Loads:
         reports it; blocks that did not arrive are reported as load errors first."""
         wanted = load.lacking_ids(range(len(load.keys)), self.per_chunk)
         good: list[int] = []
+        t0 = time.monotonic()  # (the request waits, out of the batch, this long)
         try:
             lease = self._bg_client.acquire(load.keys, first=load.first_chunk, request=load.req_id,
                                             tail_tokens=self._tail_tokens(load)) \
@@ -165,7 +174,8 @@ class Loads:
                         copied = False
                         log.exception("kvtier: waiting for request %s's copies failed", load.req_id)
                     took = self._took(load, len(lease.views))
-                    intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views))
+                    intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views),
+                                                     wait_s=time.monotonic() - t0)
                     if not (intact and copied):
                         good = []
         except Exception:

@@ -5,9 +5,13 @@ the request's phase in the scheduler half's state machine (:class:`Phase`, drawn
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.session_hints import HintError, SessionHint, parse_hint
+
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -25,6 +29,20 @@ def skipped(request) -> bool:  # type: ignore[no-untyped-def]
     if getattr(request, "prompt_embeds", None) is not None:
         return True  # its KV depends on embeddings, not on token ids a key could name
     return params.get("kvtier") == "skip"
+
+
+def request_hint(request) -> SessionHint | HintError | None:  # type: ignore[no-untyped-def]
+    """The session hint a request carries (``kv_transfer_params.kvtier``, see
+    :mod:`kvtier.core.session_hints`): None without one, the :class:`HintError` of a malformed
+    one (the request is served all the same, without it)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    raw = params.get("kvtier") if isinstance(params, dict) else None
+    if raw is None or raw == "skip":
+        return None
+    try:
+        return parse_hint(raw)
+    except HintError as exc:
+        return exc
 
 
 @dataclass

@@ -75,6 +75,7 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
         self._hint_lock = threading.Lock()
         self._hints_waiting = 0
         self.hints_dropped = 0
+        self.hints_malformed = 0
         self.lookups_missed = 0
         """Lookups that were misses because the daemon did not answer in time."""
         self.load_async = load_async
@@ -382,7 +383,8 @@ class SchedulerSide(Lookups, Hints, RequestKeys, Resets):
         """(cumulative counts, gauges) for vLLM's metrics (:mod:`.stats`)."""
         counts: dict[str, float] = {"lookups": self.lookups_sent, "lookup_timeouts": self.lookups_missed,
                                     "load_failures": self.load_failures, "preemptions": self.preemptions,
-                                    "hints_dropped": self.hints_dropped, "saves_vetoed": self.tally.vetoed}
+                                    "hints_dropped": self.hints_dropped,
+                                    "hints_malformed": self.hints_malformed, "saves_vetoed": self.tally.vetoed}
         counts.update({HIT_PREFIX + tier: n for tier, n in self.hit_tokens.items()})
         return counts, {"save_backlog_requests": len(self._freeing)}
 

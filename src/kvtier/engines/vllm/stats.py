@@ -21,6 +21,7 @@ Metrics (``model_name`` and ``engine`` labels as vLLM's own; counters end in ``_
   vLLM's blocks and the daemon's DRAM; ``vllm:kvtier_saves_skipped_total`` chunk saves a worker
   skipped because the daemon was slow (planned again);
 - ``vllm:kvtier_preemptions_total``; ``vllm:kvtier_hints_dropped_total``;
+  ``vllm:kvtier_hints_malformed_total`` requests served without their malformed session hint;
 - ``vllm:kvtier_save_backlog_requests`` (gauge): finished requests whose save still holds their
   blocks.
 
@@ -53,6 +54,7 @@ COUNTERS: dict[str, str] = {
     "saves_vetoed": "Saves some rank of a multi-rank engine voted against (no rank committed them)",
     "preemptions": "Requests vLLM preempted while kvtier followed them",
     "hints_dropped": "Scheduler hints dropped while too many waited",
+    "hints_malformed": "Requests served without their malformed session hint",
 }
 GAUGES: dict[str, str] = {
     "save_backlog_requests": "Finished requests whose save to kvtier still holds their blocks",

@@ -109,6 +109,7 @@ class WorkerSide(Loads, Saves, FinishedSaves, Suspects, Votes, Sleep):
         self._meta = KVTierMetadata()
         self._loaded = False
         self._load_thread: threading.Thread | None = None
+        self._load_wait_s = 0.0  # this step's wait for its loads (the daemon logs it per request)
         self._copy_failed = False
         self._leases: list[tuple[Transfer, ReadLease]] = []
         self._saves: list[WriteLease | None] | None = None
