@@ -11,6 +11,7 @@ import pytest
 from kvtier.bench.chat_client import TurnRecord
 from kvtier.bench.serve import run_serve_bench, summarize
 from kvtier.bench.serve_config import ServeBenchConfig
+from kvtier.bench.serve_report import free_bound, history_sources
 from kvtier.bench.serve_workload import build_workload
 from kvtier.bench.sharegpt import iter_conversations, multi_turn
 
@@ -49,6 +50,37 @@ def test_later_turns_count_what_vllm_computed_beyond_their_new_tokens():
     assert r.requests_per_s == 1.5
     assert r.ttft_first_s["mean"] == pytest.approx(0.1)
     assert r.ttft_later_s["p50"] == pytest.approx(0.25)
+
+
+def test_later_turns_history_is_split_by_where_it_came_from_at_load_time():
+    def rec(conv: int, turn: int, prompt: int, cached: int, reply: int = 10) -> TurnRecord:
+        return TurnRecord(conv, turn, 0.0, 0.1, 0.01, prompt, cached, reply, "x", f"kvtb-{conv}-{turn}-0000000{turn}")
+
+    # turn 1: history 100, 96 cached (64 loaded from DRAM, 32 vLLM's own); turn 2: history 150,
+    # 128 cached, all loaded from SSD; turn 3: history 200, nothing cached, no load record
+    records = [rec(0, 0, 90, 0), rec(0, 1, 140, 96), rec(0, 2, 190, 128), rec(0, 3, 260, 0)]
+    loads = {"pid9/chatcmpl-kvtb-0-1-00000001-a1b2c3d4": {"tokens": {"host": 64}, "wait_s": 0.2},
+             "pid9/chatcmpl-kvtb-0-2-00000002-a1b2c3d4": {"tokens": {"disk": 128}, "wait_s": 0.4}}
+    h = history_sources(records, loads)
+    assert h["tokens"] == {"host": 64, "disk": 128, "engine": 32, "recomputed": 4 + 22 + 200, "history": 450}
+    assert h["shares"]["host"] == pytest.approx(64 / 450)
+    assert h["loaded_from_dram"] == pytest.approx(64 / 192)
+    assert h["wait_mean_s"] == pytest.approx(0.2)  # (0.2 + 0.4 + 0) / 3
+    peer = history_sources(records, None)  # a peer: what was cached is not split
+    assert peer["tokens"] == {"cached": 224, "recomputed": 226, "history": 450}
+    assert peer["loaded_from_dram"] is None and peer["wait_mean_s"] is None
+
+
+def test_the_free_connector_bound_takes_out_hooks_and_the_prefill_of_tokens_beyond_new_ones():
+    recs = [TurnRecord(0, 0, 0.0, 0.1, 0.01, 1100, 0, 10, "x"),  # 1000 shared: 1000 beyond its new 100
+            TurnRecord(0, 1, 0.0, 0.1, 0.01, 1200, 1080, 10, "x")]  # 90 new, 120 computed: 30 beyond
+    engine = {"wall_s": 20.0, "paused_s": 4.0, "prefill_s": 10.0, "prefill_tokens": 2060,
+              "connector_worker_s": 1.0, "connector_scheduler_s": 0.5}
+    b = free_bound(recs, engine, shared_tokens=1000)
+    assert b["tokens_beyond_new"] == 1030
+    assert b["busy_s"] == 16.0 and b["hooks_s"] == 1.5 and b["prefill_beyond_new_s"] == pytest.approx(5.0)
+    assert b["ratio"] == pytest.approx(16.0 / 9.5)
+    assert free_bound(recs, None) is None
 
 
 def test_the_workload_caps_user_messages_and_replies_in_tokens(tiny_model_dir):
@@ -167,13 +199,21 @@ def test_a_tiny_serving_run_reports_both_configurations_with_equal_replies(tiny_
     for r in (vllm, kvtier):
         assert r["requests"] == 9 and len(r["turns"]) == 9
         for key in ("ttft_first_s", "ttft_later_s"):
-            assert set(r[key]) == {"mean", "p50", "p99"} and r[key]["mean"] > 0
+            assert set(r[key]) == {"mean", "p50", "p90", "p99"} and r[key]["mean"] > 0
         assert r["tpot_mean_s"] > 0 and r["requests_per_s"] > 0
         assert set(r["extra_computed_later"]) == {"median", "mean"}
         assert r["pool_tokens"] is not None and r["pool_tokens"] <= max(report["workload"]["final_tokens"]) + 96
         assert all(t["completion_tokens"] <= 24 for t in r["turns"])
     assert vllm["kvtier"] is None
     assert kvtier["same_replies_as_vllm"] is True and kvtier["differing_replies"] == 0
+    # where later turns' history came from: the daemon's per-request log joined on the request
+    # ids the client sent; what kvtier loaded is what the daemon counted loaded
+    loaded = {t: n for t, n in kvtier["history"]["tokens"].items() if t in ("host", "disk")}
+    assert sum(loaded.values()) > 0 and "cached" not in kvtier["history"]["tokens"]
+    assert set(vllm["history"]["tokens"]) == {"cached", "recomputed", "history"}
+    assert kvtier["history"]["wait_mean_s"] is not None and vllm["history"]["wait_mean_s"] is None
+    assert kvtier["cpu_s"]["daemon"] > 0 and vllm["cpu_s"]["daemon"] is None and vllm["cpu_s"]["vllm"] > 0
+    assert kvtier["bound"]["ratio"] >= 1.0 and kvtier["bound"]["free_s"] > 0
     hits = kvtier["kvtier"]
     assert hits["host_hits"] + hits["disk_hits"] > 0
     assert hits["host_tokens_taken"] + hits["disk_tokens_taken"] > 0  # vLLM took KV from kvtier
@@ -244,7 +284,7 @@ def test_a_fleet_routes_each_turn_by_its_rule_and_refuses_what_it_cannot_serve(m
 
     sent: list[tuple[int, str]] = []
 
-    async def fake_turn(client, model, messages, reply_tokens):  # type: ignore[no-untyped-def]
+    async def fake_turn(client, model, messages, reply_tokens, request_id="", kv_transfer_params=None):  # type: ignore[no-untyped-def]
         sent.append((len(messages) // 2, str(client.base_url)))
         return 0.01, 0.001, 10 * len(messages), 0, reply_tokens, "reply"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,12 @@ class PlannedTurn:
     """The user's message."""
     reply_tokens: int
     """The reply's length in tokens (the real reply's, capped)."""
+    system: str | None = None
+    """A system message before the user's (a conversation's first turn only)."""
+    think_s: float | None = None
+    """The pause before this turn (None: the run's ``think_s``; an agent's: the tool's latency)."""
+    kv_transfer_params: dict[str, object] | None = None
+    """Sent with the request (a session hint: :mod:`kvtier.core.session_hints`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +55,26 @@ class TurnRecord:
     """What vLLM did not compute (its prefix cache and the KV connector together)."""
     completion_tokens: int
     reply: str
+    request_id: str = ""
+    """The ``X-Request-Id`` it was sent with (vLLM's request id holds it: the daemon's
+    per-request log, :mod:`kvtier.server.request_loads`, is joined on it)."""
 
 
-async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply_tokens: int  # type: ignore[no-untyped-def]
+async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply_tokens: int,  # type: ignore[no-untyped-def]
+                       request_id: str = "", kv_transfer_params: dict[str, object] | None = None,
                        ) -> tuple[float, float | None, int, int, int, str]:
     t0 = time.perf_counter()
+    # Special tokens are kept in the text (a model with random weights emits them
+    # mid-reply): dropped, the history would no longer hold the tokens the model
+    # generated, and no cache could serve the reply's KV at the next turn.
+    body: dict[str, object] = {"ignore_eos": True, "min_tokens": reply_tokens, "skip_special_tokens": False,
+                               "spaces_between_special_tokens": False}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=reply_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        # Special tokens are kept in the text (a model with random weights emits them
-        # mid-reply): dropped, the history would no longer hold the tokens the model
-        # generated, and no cache could serve the reply's KV at the next turn.
-        extra_body={"ignore_eos": True, "min_tokens": reply_tokens, "skip_special_tokens": False,
-                    "spaces_between_special_tokens": False},
+        stream_options={"include_usage": True}, extra_body=body,
+        extra_headers={"X-Request-Id": request_id} if request_id else None,
     )
     first = last = None
     parts: list[str] = []
@@ -84,7 +98,7 @@ async def _stream_turn(client, model: str, messages: list[dict[str, str]], reply
 
 
 async def _run(base_urls: Sequence[str], router: Router, model: str, plans: Sequence[Sequence[PlannedTurn]],
-               in_flight: int, think_s: float, timeout_s: float) -> list[TurnRecord]:
+               in_flight: int, think_s: float, timeout_s: float, hints: bool) -> list[TurnRecord]:
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url, api_key="unused", timeout=timeout_s, max_retries=0)
@@ -98,12 +112,16 @@ async def _run(base_urls: Sequence[str], router: Router, model: str, plans: Sequ
             messages: list[dict[str, str]] = []
             for turn, planned in enumerate(plan):
                 if turn:
-                    await asyncio.sleep(think_s)
+                    await asyncio.sleep(think_s if planned.think_s is None else planned.think_s)
+                if planned.system is not None and not messages:
+                    messages.append({"role": "system", "content": planned.system})
                 messages.append({"role": "user", "content": planned.user})
                 sent = time.perf_counter() - start
+                rid = f"kvtb-{index}-{turn}-{uuid.uuid4().hex[:8]}"
                 ttft, tpot, prompt, cached, n, reply = await _stream_turn(
-                    clients[router(index, turn)], model, messages, planned.reply_tokens)
-                records.append(TurnRecord(index, turn, sent, ttft, tpot, prompt, cached, n, reply))
+                    clients[router(index, turn)], model, messages, planned.reply_tokens, rid,
+                    planned.kv_transfer_params if hints else None)
+                records.append(TurnRecord(index, turn, sent, ttft, tpot, prompt, cached, n, reply, rid))
                 messages.append({"role": "assistant", "content": reply})
 
     try:
@@ -116,17 +134,18 @@ async def _run(base_urls: Sequence[str], router: Router, model: str, plans: Sequ
 
 def run_conversations(base_url: str | Sequence[str], model: str, plans: Sequence[Sequence[PlannedTurn]], *,
                       in_flight: int, think_s: float, timeout_s: float = 600.0,
-                      router: Router | None = None) -> list[TurnRecord]:
+                      router: Router | None = None, hints: bool = True) -> list[TurnRecord]:
     """Hold every conversation of ``plans`` against the server at ``base_url`` (``.../v1``), or
     against several, each turn sent to ``base_url[router(conversation, turn)]``; the records of
     all turns, by conversation and turn. A failed request raises (a benchmark with a failed turn
-    has no meaning)."""
+    has no meaning). ``hints``: send each turn's ``kv_transfer_params`` (False: none)."""
     if in_flight <= 0 or think_s < 0:
         raise ValueError("in_flight must be positive and think_s not negative")
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
     if not urls or (router is None and len(urls) > 1):
         raise ValueError("run_conversations needs a server, and a router to spread turns over several")
-    return asyncio.run(_run(urls, router or (lambda _c, _t: 0), model, plans, in_flight, think_s, timeout_s))
+    return asyncio.run(_run(urls, router or (lambda _c, _t: 0), model, plans, in_flight, think_s, timeout_s,
+                            hints))
 
 
 def warm_up(base_url: str, model: str) -> None:

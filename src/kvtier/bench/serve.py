@@ -54,7 +54,9 @@ from kvtier.bench.serve_stacks import (
     SERVED_NAME,
     RequestFailed,
     _kvtier_delta,
+    cpu_s,
     preemptions,
+    request_loads,
     stack_config,
 )
 from kvtier.bench.serve_workload import Workload, build_workload
@@ -74,11 +76,23 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
             warm_up(url, SERVED_NAME)
             before = stack.stats() if stack.socket else None
             preempted = preemptions(stack.url)
-            progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
+            cpu0 = {child: cpu_s(stack, child) for child in ("daemon", "vllm")}
             t0, since = time.perf_counter(), time.monotonic()  # (the profile's clock: time.monotonic)
-            records = run_conversations(url, SERVED_NAME, work.plans,
-                                        in_flight=config.in_flight, think_s=config.think_s)
+            if work.trace is not None:
+                from kvtier.bench.serve_trace import run_trace
+
+                trace = work.trace
+                progress(f"{name}: {len(trace.prompts)} trace requests")
+                records = trace.turn_records(run_trace(url, SERVED_NAME, trace.prompts, trace.outputs,
+                                                       trace.arrivals_s))
+            else:
+                progress(f"{name}: {len(work.plans)} conversations of {config.turns} turns")
+                records = run_conversations(url, SERVED_NAME, work.plans, in_flight=config.in_flight,
+                                            think_s=config.think_s, hints=config.hints and name == "kvtier")
             wall, until = time.perf_counter() - t0, time.monotonic()
+            cpu = {child: (None if cpu0[child] is None or (now := cpu_s(stack, child)) is None else now - cpu0[child])
+                   for child in cpu0}
+            loads = request_loads(stack, "kvtb-") if stack.socket else None
         except Exception as exc:  # the server's log says why; it goes with the stack
             raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
                                 f"{stack.log_text('vllm')[-4000:]}") from exc
@@ -93,7 +107,7 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
         from kvtier.bench.peers.profile_report import summarize_profile
 
         profile = summarize_profile(Path(stack_cfg.vllm.profile_dir), since, until)
-    return Run(name, repeat, records, wall, pool, delta, profile, preempted)
+    return Run(name, repeat, records, wall, pool, delta, profile, preempted, loads=loads, cpu_s=cpu)
 
 
 _ERROR_LINE = re.compile(r"^.*\b(?:[A-Za-z]*Error|Exception): .*$", re.MULTILINE)
@@ -163,8 +177,11 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
                      + " in every configuration; kvtier: a daemon per instance with the DRAM and SSD "
                        "budgets of one, all sharing one Valkey remote tier (write-through)")
     workload = {"conversations": work.ids, "final_tokens": work.final_tokens,
-                "kv_bytes_per_token": work.kv_bytes_per_token, "kv_bytes": work.kv_bytes}
+                "kv_bytes_per_token": work.kv_bytes_per_token, "kv_bytes": work.kv_bytes,
+                "shared_tokens": work.shared_tokens, "kind": "trace" if work.trace is not None else config.workload}
+    if work.trace is not None:
+        workload["trace"] = work.trace.description
     settings = asdict(config)
     if config.instances == 1:  # a single instance's report stays as it was before fleets
         del settings["instances"], settings["route"]
-    return build_report(settings, workload, runs, refused, notes)
+    return build_report(settings, workload, runs, refused, notes, work.shared_tokens)

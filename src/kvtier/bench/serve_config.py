@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONFIGS", "PEERS", "ServeBenchConfig"]
+__all__ = ["AGENT_DEFAULTS", "CONFIGS", "PEERS", "WORKLOADS", "ServeBenchConfig"]
 
 CONFIGS = ("vllm", "kvtier")
 PEERS = ("lmcache", "lmcache-decode", "offload")
+WORKLOADS = ("chat", "agent")
+AGENT_DEFAULTS = {"conversations": 16, "turns": 8, "in_flight": 8}
+"""``--workload agent``'s defaults where chat's differ (sessions, steps, in flight):
+:mod:`kvtier.bench.agent_workload`."""
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,35 @@ class ServeBenchConfig:
     route: str = "sticky"
     """Which instance a turn goes to: ``sticky`` (a conversation stays on one) or ``round-robin``
     (every turn moves to the next)."""
+    workload: str = "chat"
+    """``chat`` (ShareGPT conversations) or ``agent`` (tool-loop sessions sharing a system +
+    tools prompt: :mod:`kvtier.bench.agent_workload`; ``conversations`` are its sessions,
+    ``turns`` its steps). Ignored with ``trace``."""
+    hints: bool = True
+    """Send the session hints the workload knows (agent: kvtier's configuration only)."""
+    trace: str | None = None
+    """A Mooncake-format trace to replay instead (:mod:`kvtier.bench.serve_trace`)."""
+    trace_block_tokens: int = 16
+    trace_time_scale: float = 1.0
+    trace_limit: int | None = None
+    """The trace's first rows only (None: all)."""
+    trace_max_output: int | None = None
+    """Cap on a trace reply's tokens (None: each its row's ``output_length``)."""
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "in_flight", "max_user_tokens", "max_reply_tokens",
                      "block_size", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"bench serve {name} must be positive, got {getattr(self, name)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"bench serve workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.trace is not None and self.instances > 1:
+            raise ValueError("bench serve --trace runs on one instance (drop --instances)")
+        if self.trace_block_tokens <= 0 or not self.trace_time_scale > 0:
+            raise ValueError("bench serve trace_block_tokens and trace_time_scale must be positive")
+        for name in ("trace_limit", "trace_max_output"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"bench serve {name} must be positive")
         if self.think_s < 0 or self.skip < 0:
             raise ValueError("bench serve think_s and skip must not be negative")
         if self.pool_conversations < 1:

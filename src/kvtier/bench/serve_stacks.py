@@ -11,9 +11,9 @@ from pathlib import Path
 from kvtier.bench.serve_config import ServeBenchConfig
 from kvtier.bench.serve_workload import Workload
 from kvtier.bench.servers import free_port
-from kvtier.launch import PROFILE_MODULE, StackConfig, StoreSpec, VLLMSpec
+from kvtier.launch import PROFILE_MODULE, ServeStack, StackConfig, StoreSpec, VLLMSpec
 
-__all__ = ["SERVED_NAME", "RequestFailed", "budgets", "preemptions", "stack_config"]
+__all__ = ["SERVED_NAME", "RequestFailed", "budgets", "cpu_s", "preemptions", "request_loads", "stack_config"]
 
 
 class RequestFailed(RuntimeError):
@@ -82,6 +82,41 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
                                      python=python, connector=connector, profile_module=module,
                                      profile_dir=str(profile_dir) if profile_dir and name != "vllm" else None),
                        store=store, workdir=str(run))
+
+
+def request_loads(stack: ServeStack, match: str = "") -> dict[str, dict[str, object]]:
+    """The stack's daemon's per-request load log (:meth:`StoreClient.request_loads`)."""
+    from kvtier.server.client import StoreClient
+
+    assert stack.socket is not None
+    client = StoreClient(stack.socket, timeout_s=10.0, retry_s=0.05)
+    try:
+        return client.request_loads(match, limit=65536)
+    finally:
+        client.close()
+
+
+def cpu_s(stack: ServeStack, name: str) -> float | None:
+    """CPU seconds (user + system) the stack's ``daemon`` or ``vllm`` and its children used so
+    far (None: not running)."""
+    import psutil
+
+    child = {"daemon": stack.daemon, "vllm": stack.vllm}[name]
+    if child is None or child.poll() is not None:
+        return None
+    try:
+        top = psutil.Process(child.pid)
+        procs = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # (a child that ended meanwhile)
+            pass
+    return total
 
 
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)

