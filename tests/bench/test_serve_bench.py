@@ -71,6 +71,25 @@ def test_later_turns_history_is_split_by_where_it_came_from_at_load_time():
     assert peer["loaded_from_dram"] is None and peer["wait_mean_s"] is None
 
 
+def test_a_traces_history_is_what_an_earlier_request_began_with():
+    from kvtier.bench.serve_trace import TraceRow, TraceWorkload
+
+    rows = [TraceRow(1, 0, 40, 1, (1, 2, 3)), TraceRow(2, 5, 40, 1, (1, 2, 4)), TraceRow(3, 9, 20, 1, (5,)),
+            TraceRow(4, 9, 60, 1, (1, 2, 4, 6))]
+    prompts = [[0] * 24, [0] * 24, [0] * 5, [0] * 30]
+    work = TraceWorkload(rows, prompts, [1] * 4, [0.0] * 4, [25] * 4, 0, 0, "x", block_tokens=8)
+    assert work.history_tokens() == {0: 0, 1: 16, 2: 0, 3: 24}
+    recs = [TurnRecord(i, 0, 0.0, 0.1, None, len(p), c, 1, "x", f"kvtb-{i}-0-0000000{i}")
+            for i, (p, c) in enumerate(zip(prompts, [0, 16, 0, 8], strict=True))]
+    loads = {"i/cmpl-kvtb-1-0-00000001-x": {"tokens": {"host": 16}, "wait_s": 0.1},
+             "i/cmpl-kvtb-3-0-00000003-x": {"tokens": {"disk": 16}, "wait_s": 0.3}}  # (16 loaded, 8 cached)
+    h = history_sources(recs, loads, work.history_tokens())
+    assert h["tokens"] == {"host": 16, "disk": 8, "engine": 0, "recomputed": 16, "history": 40}
+    engine = {"wall_s": 10.0, "paused_s": 0.0, "prefill_s": 4.0, "prefill_tokens": 48,
+              "connector_worker_s": 0.0, "connector_scheduler_s": 0.0}
+    assert free_bound(recs, engine, 0, work.history_tokens())["tokens_beyond_new"] == 16  # row 3: 24 - 8
+
+
 def test_the_free_connector_bound_takes_out_hooks_and_the_prefill_of_tokens_beyond_new_ones():
     recs = [TurnRecord(0, 0, 0.0, 0.1, 0.01, 1100, 0, 10, "x"),  # 1000 shared: 1000 beyond its new 100
             TurnRecord(0, 1, 0.0, 0.1, 0.01, 1200, 1080, 10, "x")]  # 90 new, 120 computed: 30 beyond

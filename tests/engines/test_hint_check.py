@@ -50,6 +50,7 @@ def test_good_hints_and_everything_else_pass_through_untouched():
     good = json.dumps({"messages": [], "kv_transfer_params": {"kvtier": {"session": "s", "return_s": 2}}}).encode()
     for path, body, method in [("/v1/chat/completions", good, "POST"), ("/v1/completions", b"not json", "POST"),
                                ("/v1/completions", b'{"kv_transfer_params": {"kvtier": "skip"}}', "POST"),
+                               ("/v1/completions", b'{"kv_transfer_params": {"kvtier": null}}', "POST"),
                                ("/v1/models", b"", "GET"),
                                ("/tokenize", b'{"kv_transfer_params": {"kvtier": 5}}', "POST")]:
         status, reply, reached = _call(path, body, chunks=2 if len(body) > 4 else 1, method=method)

@@ -92,7 +92,8 @@ def _run_one(name: str, repeat: int, stack_cfg: StackConfig, config: ServeBenchC
             wall, until = time.perf_counter() - t0, time.monotonic()
             cpu = {child: (None if cpu0[child] is None or (now := cpu_s(stack, child)) is None else now - cpu0[child])
                    for child in cpu0}
-            loads = request_loads(stack, "kvtb-") if stack.socket else None
+            loads = request_loads(stack, len(records) if work.trace is not None else len(work.plans)) \
+                if stack.socket else None
         except Exception as exc:  # the server's log says why; it goes with the stack
             raise RequestFailed(f"{name}: a request failed ({exc}); the end of vLLM's log:\n"
                                 f"{stack.log_text('vllm')[-4000:]}") from exc
@@ -184,4 +185,5 @@ def run_serve_bench(config: ServeBenchConfig, progress: Callable[[str], None] = 
     settings = asdict(config)
     if config.instances == 1:  # a single instance's report stays as it was before fleets
         del settings["instances"], settings["route"]
-    return build_report(settings, workload, runs, refused, notes, work.shared_tokens)
+    return build_report(settings, workload, runs, refused, notes, work.shared_tokens,
+                        work.trace.history_tokens() if work.trace is not None else None)

@@ -43,6 +43,8 @@ class ServeBenchConfig:
     directory: str | None = None
     """Parent of the SSD tier's and the logs' temporary directory."""
     configs: tuple[str, ...] = CONFIGS
+    """vLLM alone and vLLM + kvtier; one of them alone runs no baseline (replies compared with
+    nothing, no ratios to vLLM alone: kvtier's figures at another setting)."""
     peers: tuple[str, ...] = ()
     """Peers run beside them (:data:`PEERS`)."""
     repeats: int = 1
@@ -93,8 +95,9 @@ class ServeBenchConfig:
             raise ValueError("bench serve pool_conversations must be >= 1 (one conversation must fit)")
         if not 0 < self.host_fraction:
             raise ValueError("bench serve host_fraction must be positive")
-        if not self.configs or any(c not in CONFIGS for c in self.configs) or self.configs[0] != "vllm":
-            raise ValueError(f"bench serve configs must start with 'vllm' and be among {CONFIGS}")
+        if not self.configs or any(c not in CONFIGS for c in self.configs) or len(set(self.configs)) != len(self.configs) \
+                or (len(self.configs) == 2 and self.configs[0] != "vllm"):
+            raise ValueError(f"bench serve configs must be distinct, among {', '.join(CONFIGS)}, vllm first")
         bad = [p for p in self.peers if p not in PEERS]
         if bad or len(set(self.peers)) != len(self.peers):
             raise ValueError(f"bench serve peers must be distinct, among {', '.join(PEERS)}; got {', '.join(self.peers)}")

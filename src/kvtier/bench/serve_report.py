@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvtier.bench.chat_client import TurnRecord
@@ -79,8 +79,25 @@ class ConfigResult:
 _RID = re.compile(r"kvtb-\d+-\d+-[0-9a-f]{8}")
 
 
-def history_sources(records: Sequence[TurnRecord], loads: dict[str, dict[str, object]] | None
-                    ) -> dict[str, object]:
+def _history(records: Sequence[TurnRecord], history_of: Mapping[int, int] | None
+             ) -> list[tuple[TurnRecord, int]]:
+    """Each request that has a history, and its length in tokens: a later turn's is the previous
+    prompt and reply; with ``history_of`` (a trace: conversation -> tokens of its prompt an earlier
+    request began with too), that."""
+    if history_of is not None:
+        return [(r, min(history_of.get(r.conversation, 0), r.prompt_tokens)) for r in records
+                if history_of.get(r.conversation, 0) > 0]
+    by_turn = {(r.conversation, r.turn): r for r in records}
+    out = []
+    for r in records:
+        prev = by_turn.get((r.conversation, r.turn - 1))
+        if prev is not None:
+            out.append((r, min(prev.prompt_tokens + prev.completion_tokens, r.prompt_tokens)))
+    return out
+
+
+def history_sources(records: Sequence[TurnRecord], loads: dict[str, dict[str, object]] | None,
+                    history_of: Mapping[int, int] | None = None) -> dict[str, object]:
     """Where each later turn's history (the previous prompt and reply) came from, in tokens over
     all later turns: ``engine`` (vLLM's own pool), each kvtier tier it was loaded from at the
     moment it was loaded (``host`` = DRAM, ``disk`` = SSD, a remote tier's name; from the
@@ -93,14 +110,9 @@ def history_sources(records: Sequence[TurnRecord], loads: dict[str, dict[str, ob
         found = _RID.search(name)
         if found:
             by_rid[found.group(0)] = rec
-    by_turn = {(r.conversation, r.turn): r for r in records}
     tokens: dict[str, int] = {}
     waits: list[float] = []
-    for r in records:
-        prev = by_turn.get((r.conversation, r.turn - 1))
-        if prev is None:
-            continue
-        history = min(prev.prompt_tokens + prev.completion_tokens, r.prompt_tokens)
+    for r, history in _history(records, history_of):
         cached = min(r.cached_tokens, history)
         rec = by_rid.get(r.request_id) if loads is not None else None
         taken = {str(t): int(n) for t, n in (rec or {}).get("tokens", {}).items()}  # type: ignore[union-attr]
@@ -109,9 +121,10 @@ def history_sources(records: Sequence[TurnRecord], loads: dict[str, dict[str, ob
                 waits.append(float(rec.get("wait_s", 0.0)))  # type: ignore[arg-type]
             else:
                 waits.append(0.0)
-            from_kvtier = min(sum(taken.values()), cached)
-            for tier, n in taken.items():
-                tokens[tier] = tokens.get(tier, 0) + n
+            loaded = sum(taken.values())
+            from_kvtier = min(loaded, cached)
+            for tier, n in taken.items():  # (scaled to what vLLM reports cached: never above it)
+                tokens[tier] = tokens.get(tier, 0) + (n * from_kvtier // loaded if loaded else 0)
             tokens["engine"] = tokens.get("engine", 0) + cached - from_kvtier
         else:
             tokens["cached"] = tokens.get("cached", 0) + cached
@@ -126,8 +139,8 @@ def history_sources(records: Sequence[TurnRecord], loads: dict[str, dict[str, ob
             "wait_p90_s": _percentile(waits, 0.9) if waits else None}
 
 
-def free_bound(records: Sequence[TurnRecord], engine: dict[str, float] | None, shared_tokens: int = 0
-               ) -> dict[str, float] | None:
+def free_bound(records: Sequence[TurnRecord], engine: dict[str, float] | None, shared_tokens: int = 0,
+               history_of: Mapping[int, int] | None = None) -> dict[str, float] | None:
     """The engine's busy time (its run less pauses) and what a free, perfect connector would
     leave of it: no hook cost, and no token computed beyond each request's new ones (a later
     turn's prompt less the previous prompt and reply; a first turn's less the prefix every
@@ -139,7 +152,12 @@ def free_bound(records: Sequence[TurnRecord], engine: dict[str, float] | None, s
     extra = 0
     for r in records:
         prev = by_turn.get((r.conversation, r.turn - 1))
-        new = r.prompt_tokens - prev.prompt_tokens - prev.completion_tokens if prev else r.prompt_tokens - shared_tokens
+        if history_of is not None:
+            new = r.prompt_tokens - history_of.get(r.conversation, 0)
+        elif prev is not None:
+            new = r.prompt_tokens - prev.prompt_tokens - prev.completion_tokens
+        else:
+            new = r.prompt_tokens - shared_tokens
         extra += max(0, r.prompt_tokens - r.cached_tokens - max(new, 0))
     busy = float(engine["wall_s"]) - float(engine.get("paused_s", 0.0))
     hooks = float(engine.get("connector_worker_s", 0.0)) + float(engine.get("connector_scheduler_s", 0.0))
@@ -239,8 +257,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build_report(config: dict[str, object], workload: dict[str, object], runs: list[Run],
-                 refused: dict[str, str], notes: list[str] | None = None, shared_tokens: int = 0
-                 ) -> ServeBenchReport:
+                 refused: dict[str, str], notes: list[str] | None = None, shared_tokens: int = 0,
+                 history_of: Mapping[int, int] | None = None) -> ServeBenchReport:
     keys = [{(r.conversation, r.turn) for r in run.records} for run in runs]
     matched = set.intersection(*keys) if keys else set()
     results: list[ConfigResult] = []
@@ -249,10 +267,10 @@ def build_report(config: dict[str, object], workload: dict[str, object], runs: l
         records = [r for r in run.records if (r.conversation, r.turn) in matched]
         result = summarize(run.name, records, run.wall_s, run.pool_tokens, run.kvtier)
         result.repeat, result.profile, result.preemptions = run.repeat, run.profile, run.preemptions
-        result.history = history_sources(records, run.loads)
+        result.history = history_sources(records, run.loads, history_of)
         result.cpu_s = run.cpu_s
         engine = (run.profile or {}).get("engine") if run.profile else None
-        result.bound = free_bound(run.records, engine, shared_tokens)  # type: ignore[arg-type]
+        result.bound = free_bound(run.records, engine, shared_tokens, history_of)  # type: ignore[arg-type]
         replies = {(r.conversation, r.turn): r.reply for r in records}
         if base is None and run.name == "vllm":
             base = replies

@@ -84,16 +84,20 @@ def stack_config(name: str, config: ServeBenchConfig, model_dir: Path, work: Wor
                        store=store, workdir=str(run))
 
 
-def request_loads(stack: ServeStack, match: str = "") -> dict[str, dict[str, object]]:
-    """The stack's daemon's per-request load log (:meth:`StoreClient.request_loads`)."""
+def request_loads(stack: ServeStack, conversations: int) -> dict[str, dict[str, object]]:
+    """The stack's daemon's per-request load log (:meth:`StoreClient.request_loads`) for the
+    benchmark's requests (``kvtb-<conversation>-...``), a conversation a call."""
     from kvtier.server.client import StoreClient
 
     assert stack.socket is not None
     client = StoreClient(stack.socket, timeout_s=10.0, retry_s=0.05)
+    out: dict[str, dict[str, object]] = {}
     try:
-        return client.request_loads(match, limit=65536)
+        for c in range(conversations):
+            out.update(client.request_loads(f"kvtb-{c}-", limit=4096))
     finally:
         client.close()
+    return out
 
 
 def cpu_s(stack: ServeStack, name: str) -> float | None:

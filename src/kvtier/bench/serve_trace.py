@@ -245,9 +245,29 @@ class TraceWorkload:
     capped: int
     """Replies cut to ``max_output_tokens``."""
     description: str
+    block_tokens: int = 16
+    """Tokens each hash id became."""
 
     def turn_records(self, records: Sequence[TraceRecord]) -> list[TurnRecord]:
         return as_turn_records(self.rows, records)
+
+    def history_tokens(self) -> dict[int, int]:
+        """Request index -> the tokens of its prompt's longest run of leading blocks that an
+        earlier request's prompt also began with: what a perfect cache would have for it (its
+        history, as a later turn's is the previous prompt and reply)."""
+        root: dict[int, dict] = {}  # type: ignore[type-arg]
+        out: dict[int, int] = {}
+        for i, (row, prompt) in enumerate(zip(self.rows, self.prompts, strict=True)):
+            node, shared = root, 0
+            for h in row.hash_ids:
+                if h not in node:
+                    break
+                node, shared = node[h], shared + 1
+            out[i] = min(shared * self.block_tokens, len(prompt))
+            node = root
+            for h in row.hash_ids:
+                node = node.setdefault(h, {})
+        return out
 
 
 def _vocabulary(tokenizer_dir_or_vocab: str | Path | int) -> tuple[int, list[int]]:
@@ -286,4 +306,4 @@ def trace_workload(path: str | Path, scale: TraceScale, tokenizer_dir_or_vocab: 
                    + (f", replies capped at {most} tokens ({capped} capped)" if most is not None
                       else ", every reply its row's length")
                    + (f", {skipped} skipped over {cap} prompt tokens" if cap is not None else ""))
-    return TraceWorkload(rows, prompts, outputs, arrivals, finals, skipped, capped, description)
+    return TraceWorkload(rows, prompts, outputs, arrivals, finals, skipped, capped, description, scale.block_tokens)

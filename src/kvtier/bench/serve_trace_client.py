@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
@@ -45,11 +46,13 @@ class TraceRecord:
     """What the engine did not compute (its prefix cache and a KV connector together)."""
     completion_tokens: int
     reply: str
+    request_id: str = ""
+    """The ``X-Request-Id`` it was sent with (the daemon's per-request log is joined on it)."""
 
     def as_turn_record(self, turn: int) -> TurnRecord:
         """The benchmark's record: conversation = the row's index, turn as given."""
         return TurnRecord(self.index, turn, self.sent_s, self.ttft_s, self.tpot_s, self.prompt_tokens,
-                          self.cached_tokens, self.completion_tokens, self.reply)
+                          self.cached_tokens, self.completion_tokens, self.reply, self.request_id)
 
 
 def lateness_stats(records: Sequence[TraceRecord]) -> dict[str, float | None]:
@@ -60,7 +63,7 @@ def lateness_stats(records: Sequence[TraceRecord]) -> dict[str, float | None]:
     return {"p50": float(np.percentile(late, 50)), "p99": float(np.percentile(late, 99)), "max": float(late.max())}
 
 
-async def _stream(client, model: str, prompt: list[int], output: int  # type: ignore[no-untyped-def]
+async def _stream(client, model: str, prompt: list[int], output: int, request_id: str  # type: ignore[no-untyped-def]
                   ) -> tuple[float, float | None, int, int, int, str]:
     t0 = time.perf_counter()
     stream = await client.completions.create(
@@ -69,6 +72,7 @@ async def _stream(client, model: str, prompt: list[int], output: int  # type: ig
         # exactly ``output`` tokens, special ones kept (as chat_client's turns: see there)
         extra_body={"ignore_eos": True, "min_tokens": output, "skip_special_tokens": False,
                     "spaces_between_special_tokens": False},
+        extra_headers={"X-Request-Id": request_id},
     )
     first = last = usage = None
     parts: list[str] = []
@@ -105,11 +109,12 @@ async def _run(base_url: str, model: str, prompts: Sequence[list[int]], outputs:
         slot: AbstractAsyncContextManager[object] = gate if gate is not None else nullcontext()
         async with slot:  # (a semaphore wakes its waiters first come, first served)
             sent = time.perf_counter() - start
+            rid = f"kvtb-{i}-0-{uuid.uuid4().hex[:8]}"
             try:
-                result = await _stream(client, model, prompts[i], outputs[i])
+                result = await _stream(client, model, prompts[i], outputs[i], rid)
             except Exception as exc:
                 raise RuntimeError(f"trace request {i} (sent at {sent:.2f} s) failed: {exc}") from exc
-        records.append(TraceRecord(i, sent, sent - arrivals_s[i], *result))
+        records.append(TraceRecord(i, sent, sent - arrivals_s[i], *result, request_id=rid))
 
     try:
         async with asyncio.TaskGroup() as group:  # one failure cancels the rest

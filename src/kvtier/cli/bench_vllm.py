@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 @click.option("--policy", default=None,
               help="The kvtier daemon's placement policy (lru, fifo, attentionstore, cost, returns) "
                    "[default: the daemon's].")
+@click.option("--configs", default="vllm,kvtier", show_default=True,
+              help="Which of vllm (alone) and kvtier to run, comma-separated (one alone: no baseline).")
 @click.option("--peers", default="", show_default=False,
               help="Peers to run beside kvtier, comma-separated: lmcache, lmcache-decode, offload.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
@@ -86,8 +88,8 @@ def bench_serve(model: str, workload: str, conversations: int | None, turns: int
                 trace_time_scale: float, trace_limit: int | None, trace_max_output: int | None, plot: str | None, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float | None, host_fraction: float,
-                cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, peers: str,
-                repeats: int, profile: bool, lmcache_python: str | None, instances: int, route: str,
+                cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, configs: str,
+                peers: str, repeats: int, profile: bool, lmcache_python: str | None, instances: int, route: str,
                 as_json: bool) -> None:
     """Multi-turn chats from ShareGPT through vLLM's OpenAI server, streaming: vLLM alone
     (prefix cache, a small KV pool) against vLLM + kvtier (DRAM and SSD) and its peers
@@ -119,6 +121,7 @@ def bench_serve(model: str, workload: str, conversations: int | None, turns: int
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
             host_fraction=host_fraction, cpu_bind=cpu_bind,
             directory=directory, load_async=load_async, policy=policy,
+            configs=tuple(c.strip() for c in configs.split(",") if c.strip()),
             peers=tuple(p.strip() for p in peers.split(",") if p.strip()), repeats=repeats,
             profile=profile, lmcache_python=lmcache_python, instances=instances, route=route)
     except ValueError as exc:
@@ -128,15 +131,18 @@ def bench_serve(model: str, workload: str, conversations: int | None, turns: int
         report = run_serve_bench(config, progress=lambda m: err.log(m))
     except (ValueError, ChildDied, StartTimeout, RequestFailed, ServerError) as exc:
         raise click.ClickException(str(exc)) from exc
-    if plot is not None:
-        from kvtier.bench.serve_plot import plot_ttft_by_step
-
-        plot_ttft_by_step(report.as_dict(), plot)
-        err.log(f"TTFT by step drawn into {plot}")
     if as_json:
         emit_json(report.as_dict())
     else:
         _print_serve(report)
+    if plot is not None:  # after the report: a plot that cannot be written loses nothing else
+        from kvtier.bench.serve_plot import plot_ttft_by_step
+
+        try:
+            plot_ttft_by_step(report.as_dict(), plot)
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"--plot {plot}: {exc}") from exc
+        err.log(f"TTFT by step drawn into {plot}")
 
 
 @click.command("vllm-ttft")
@@ -261,6 +267,7 @@ def _print_serve(report: ServeBenchReport) -> None:
                 f"{ms(p50[n]['median'])} [{ms(p50[n]['min'])}-{ms(p50[n]['max'])}]" for n in names])
     same = {n: [r for r in report.results if r.name == n] for n in names}
     table.add_row("replies identical to vllm's", *[
+        "-" if any(r.same_replies_as_vllm is None for r in same[n]) else
         "yes" if all(r.same_replies_as_vllm for r in same[n]) else
         f"no ({sum(r.differing_replies for r in same[n])} differ)" for n in names])
     table.add_row("kvtier tokens taken DRAM / SSD (last run)", *[

@@ -19,8 +19,10 @@ Fields (every one optional but ``session``; no others):
 - ``done`` (bool): the session ends with this request: its chunks are evicted first (a chunk
   another live session shares stays where that session needs it). ``done`` with ``retain_s``
   or ``return_s`` is refused.
-- ``tenant`` (str, 0-64 characters): whose quota the hint counts against (default: the
-  request's ``cache_salt``, else the shared tenant ``""``).
+
+Whose quota a hint counts against is not the client's to say: the request's ``cache_salt``
+(vLLM's per-tenant field; the connector sets :attr:`SessionHint.tenant` from it), else the
+tenant the engine's namespace is bound to.
 
 A malformed hint is refused with :class:`HintError` naming the field: ``kvtier serve``'s API
 middleware answers HTTP 400 before vLLM sees the request
@@ -41,7 +43,7 @@ MAX_HINT_S = 86400.0
 """The longest ``retain_s`` or ``return_s`` accepted (a day)."""
 DEFAULT_RETAIN_S = 300.0
 """``retain_s`` when a hint gives ``return_s`` alone."""
-_FIELDS = ("session", "retain_s", "return_s", "done", "tenant")
+_FIELDS = ("session", "retain_s", "return_s", "done")
 _SESSION = re.compile(r"[\x21-\x7e]{1,128}")
 _TENANT = re.compile(r"[\x20-\x7e]{0,64}")
 
@@ -57,12 +59,12 @@ class SessionHint:
     return_s: float | None = None
     done: bool = False
     tenant: str | None = None
-    """None: the request's ``cache_salt``, else ``""``."""
+    """Set by the connector (the request's ``cache_salt``), never by a client's request."""
 
     def as_dict(self) -> dict[str, object]:
         """The wire form (what :func:`parse_hint` reads back)."""
         out: dict[str, object] = {"session": self.session}
-        if self.retain_s:
+        if self.retain_s or self.return_s is not None:  # (0 with return_s: not the default)
             out["retain_s"] = self.retain_s
         if self.return_s is not None:
             out["return_s"] = self.return_s
@@ -83,15 +85,17 @@ def _seconds(raw: dict[str, object], name: str, where: str) -> float | None:
     return float(value)
 
 
-def parse_hint(raw: object, where: str = "kv_transfer_params.kvtier") -> SessionHint:
+def parse_hint(raw: object, where: str = "kv_transfer_params.kvtier", *, internal: bool = False) -> SessionHint:
     """Check a hint (the object under ``kv_transfer_params.kvtier``). :class:`HintError` names
-    the first bad field."""
+    the first bad field. ``internal``: the connector's form for the daemon, which may carry
+    ``tenant``."""
     if not isinstance(raw, dict):
         raise HintError(f"{where} must be an object with a session (or the string \"skip\"), "
                         f"got {type(raw).__name__}")
-    unknown = sorted(str(k) for k in raw if k not in _FIELDS)
+    known = (*_FIELDS, "tenant") if internal else _FIELDS
+    unknown = sorted(str(k) for k in raw if k not in known)
     if unknown:
-        raise HintError(f"{where}.{unknown[0]} is not a hint field (known: {', '.join(_FIELDS)})")
+        raise HintError(f"{where}.{unknown[0]} is not a hint field (known: {', '.join(known)})")
     session = raw.get("session")
     if not isinstance(session, str) or not _SESSION.fullmatch(session):
         raise HintError(f"{where}.session must be 1-128 printable ASCII characters without spaces, "

@@ -195,11 +195,13 @@ class StoreClient(LeaseClient):
         """The daemon's snapshot; raises DaemonUnavailable (for ``kvtier store stats``)."""
         return self._link.call("stats")[1]["stats"]  # type: ignore[return-value]
 
-    def request_loads(self, match: str = "", limit: int = 4096) -> dict[str, dict[str, object]]:
+    def request_loads(self, match: str = "", limit: int = 1024) -> dict[str, dict[str, object]]:
         """Request id (as the daemon names it: ``<instance>/<id>``) -> where its loads came from
         (tier -> tokens), what it held, what failed, how long its steps waited; the latest
-        ``limit`` ids containing ``match``. Raises DaemonUnavailable."""
-        return self._link.call("request_loads", match=match, limit=limit)[1]["requests"]  # type: ignore[return-value]
+        ``limit`` (at most 4096) ids containing ``match``, of the tenants this process's uid may
+        use. Raises DaemonUnavailable."""
+        found: list[dict[str, object]] = self._link.call("request_loads", match=match, limit=limit)[1]["requests"]  # type: ignore[assignment]
+        return {str(rec.pop("request")): rec for rec in found}
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the daemon's background work (write-through copies, prefetches, uploads)

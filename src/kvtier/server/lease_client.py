@@ -252,12 +252,13 @@ class LeaseClient:
             return None
 
     def release(self, lease: ReadLease, *, took: Sequence[int] | None = None, had: int = 0,
-                failed: int = 0, wait_s: float = 0.0) -> bool:
+                failed: int = 0, wait_s: float | None = None) -> bool:
         """End a read lease; True if what was read through it can be trusted (the daemon held
         the pins the whole time). ``took``: tokens the engine used of each chunk (default: all),
-        ``had``: tokens it already held itself, ``failed``: chunks it could not copy, ``wait_s``:
-        how long the engine's step waited for its loads -- for the daemon's statistics and its
-        per-request log (:mod:`kvtier.server.request_loads`)."""
+        ``had``: tokens it already held itself, ``failed``: chunks it could not copy -- for the
+        daemon's statistics; ``wait_s``: how long the engine's step waited for its loads (given
+        by one rank of an engine: the daemon logs the load under its request,
+        :mod:`kvtier.server.request_loads`)."""
         if lease.ended:
             raise ValueError(f"lease {lease.id} is already ended")
         lease.ended = True
@@ -266,8 +267,9 @@ class LeaseClient:
             c = self.layout.chunk_tokens if self.layout else 0
             report = [c] * len(lease.keys) if took is None else [int(t) for t in took]
             try:
+                more = {} if wait_s is None else {"wait_ms": min(3_600_000, max(0, round(wait_s * 1000)))}
                 self._link.leased(lease._conn, "release", lease=lease.id, took=report, had=int(had),
-                                  failed=int(failed), wait_ms=min(3_600_000, max(0, round(wait_s * 1000))))
+                                  failed=int(failed), **more)
                 return True
             except LeaseLost as exc:
                 self.lost_leases += 1

@@ -74,6 +74,8 @@ class Lease:
     """Read lease: the tier each chunk was found in."""
     request: str | None = None
     """Read lease: the request it loads for, as the cache names it (its load is logged under it)."""
+    tenant: str = ""
+    """Read lease: the tenant its keys are bound to."""
     writes: dict[int, Reservation] = field(default_factory=dict)
     """Write lease: index in ``keys`` -> its DRAM reservation."""
     expires: float = math.inf

@@ -134,7 +134,8 @@ def acquire(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict
     if held:
         daemon.leases.grant(session.leases, Lease(lease_id, session.client, False, [h.key for h in held],
                                                   first, use, sources=[h.source for h in held],
-                                                  request=daemon.request_name(session, protocol.text(req, "request"))))
+                                                  request=daemon.request_name(session, protocol.text(req, "request")),
+                                                  tenant=tenant))
     return {"ok": True, "lease": lease_id if held else None, "slots": [h.offset for h in held],
             "tiers": [h.source for h in held]}
 
@@ -152,18 +153,21 @@ def release(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict
     except BadRequest:
         return {"ok": True}  # the pins are released anyway; a bad report is not counted
     daemon.cache.count_loaded(zip(lease.sources, took, strict=False), had=had, failed=failed)
-    if lease.request is not None:
+    if lease.request is not None and "wait_ms" in req:  # (one rank of an engine says so)
         daemon.request_loads.record(lease.request, zip(lease.sources, took, strict=False), had=had,
-                                    failed=failed, wait_s=wait_ms / 1000)
+                                    failed=failed, wait_s=wait_ms / 1000, tenant=lease.tenant)
     return {"ok": True}
 
 
 def request_loads(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
-    """Per request (ids containing ``match``): the tokens it loaded from each tier, what it held,
-    what failed, how long its steps waited (:mod:`kvtier.server.request_loads`)."""
+    """Per request (ids containing ``match``, of the tenants the caller's uid may use): the tokens
+    it loaded from each tier, what it held, what failed, how long its steps waited
+    (:mod:`kvtier.server.request_loads`)."""
     part = protocol.text(req, "match") or ""
-    limit = protocol.integer(req, "limit", 1, 65536, default=4096)
-    return {"ok": True, "requests": daemon.request_loads.matching(part, limit)}
+    limit = protocol.integer(req, "limit", 1, 4096, default=1024)
+    uid = session.peer.uid
+    return {"ok": True, "requests": daemon.request_loads.matching(
+        part, limit, lambda tenant: daemon.config.access.allowed(uid, tenant))}
 
 def reserve(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[str, object]:
     ns, keys, tenant = daemon.bound(session, req)
@@ -254,7 +258,7 @@ def queued(daemon: OpsDaemon, req: dict[str, object], session: Session) -> dict[
     hint = None
     if req.get("hint") is not None:  # the request's session hint (kvtier.core.session_hints)
         try:
-            hint = parse_hint(req["hint"], "hint")
+            hint = parse_hint(req["hint"], "hint", internal=True)
         except HintError as exc:
             raise BadRequest(str(exc)) from None
     assert daemon.cache is not None

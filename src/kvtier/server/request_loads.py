@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["MAX_RECORDS", "RequestLoad", "RequestLoads"]
@@ -33,10 +33,11 @@ class RequestLoad:
     wait_s: float = 0.0
     """Seconds its loads held its steps (summed over its leases' reports)."""
     leases: int = 0
+    tenant: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {"tokens": dict(self.tokens), "had": self.had, "failed": self.failed,
-                "wait_s": round(self.wait_s, 6), "leases": self.leases}
+                "wait_s": round(self.wait_s, 6), "leases": self.leases, "tenant": self.tenant}
 
 
 class RequestLoads:
@@ -46,14 +47,15 @@ class RequestLoads:
         self._lock = threading.Lock()
 
     def record(self, request: str, took: Iterable[tuple[str, int]], *, had: int = 0, failed: int = 0,
-               wait_s: float = 0.0) -> None:
+               wait_s: float = 0.0, tenant: str = "") -> None:
         with self._lock:
-            self._record(request, took, had, failed, wait_s)
+            self._record(request, took, had, failed, wait_s, tenant)
 
-    def _record(self, request: str, took: Iterable[tuple[str, int]], had: int, failed: int, wait_s: float) -> None:
+    def _record(self, request: str, took: Iterable[tuple[str, int]], had: int, failed: int, wait_s: float,
+                tenant: str) -> None:
         rec = self._records.get(request)
         if rec is None:
-            rec = self._records[request] = RequestLoad()
+            rec = self._records[request] = RequestLoad(tenant=tenant)
             while len(self._records) > self._limit:
                 self._records.popitem(last=False)
         for tier, tokens in took:
@@ -64,13 +66,16 @@ class RequestLoads:
         rec.wait_s += wait_s
         rec.leases += 1
 
-    def matching(self, part: str, limit: int = 4096) -> dict[str, dict[str, object]]:
-        """Request id -> its record, for the ids that contain ``part`` (the latest ``limit``)."""
-        out: dict[str, dict[str, object]] = {}
+    def matching(self, part: str, limit: int = 1024, visible: Callable[[str], bool] = lambda _t: True
+                 ) -> list[dict[str, object]]:
+        """The records (each with its ``request`` id) of the ids that contain ``part`` and whose
+        tenant is ``visible``, the latest ``limit``, newest first (a list: the protocol's maps
+        are small)."""
+        out: list[dict[str, object]] = []
         with self._lock:
             for request in reversed(self._records):
-                if part in request:
-                    out[request] = self._records[request].as_dict()
+                if part in request and visible(self._records[request].tenant):
+                    out.append({"request": request, **self._records[request].as_dict()})
                     if len(out) >= limit:
                         break
         return out

@@ -158,7 +158,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 adapter = None
             # every rank whose KV a chunk depends on votes before any commits (:mod:`.votes`)
             self.worker = WorkerSide(self.client, self._other, self.layout, self.block_size, adapter,
-                                     ranks=tp_size * pp_size, wait_s=wait_s, load_wait_s=load_wait_s)
+                                     ranks=tp_size * pp_size, wait_s=wait_s, load_wait_s=load_wait_s,
+                                     log_loads=tp_rank == 0 and pp_rank == 0)
         else:
             load_async = cfg.get_from_extra_config("load_async", False)
             if not isinstance(load_async, bool):

@@ -37,13 +37,16 @@ _FIELD = re.compile(r"^(kv_transfer_params\.kvtier(?:\.\w+)?)")
 
 
 def hint_error(body: bytes) -> HintError | None:
-    """The error of the hint in a request body (None: no hint, a good one, or not JSON)."""
+    """The error of the hint in a request body (None: no hint, null, a good one, or not JSON).
+    A body without the word ``"kvtier"`` is not parsed at all (vLLM parses it anyway)."""
+    if b'"kvtier"' not in body:
+        return None
     try:
         req = json.loads(body)
     except ValueError:
         return None
     params = req.get("kv_transfer_params") if isinstance(req, dict) else None
-    if not isinstance(params, dict) or "kvtier" not in params or params["kvtier"] == "skip":
+    if not isinstance(params, dict) or params.get("kvtier") in (None, "skip"):
         return None
     try:
         parse_hint(params["kvtier"])

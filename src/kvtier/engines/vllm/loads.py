@@ -112,7 +112,8 @@ class Loads:
             had = sum(c - t for t in took) if not load.tail_blocks else 0
             failed = len(lease.views) if self._copy_failed else 0
             releases.append(self._calls.submit(
-                lambda lease=lease, took=took, had=had, failed=failed, waited=self._load_wait_s:
+                lambda lease=lease, took=took, had=had, failed=failed,
+                waited=self._load_wait_s if self.log_loads else None:
                 self.client.release(lease, took=took, had=had, failed=failed, wait_s=waited)))
         for (load, lease), future in zip(self._leases, releases, strict=True):
             # confirmed intact within what is left of the step's budget, else unsure: a miss
@@ -175,7 +176,7 @@ class Loads:
                         log.exception("kvtier: waiting for request %s's copies failed", load.req_id)
                     took = self._took(load, len(lease.views))
                     intact = self._bg_client.release(lease, took=took, failed=0 if copied else len(lease.views),
-                                                     wait_s=time.monotonic() - t0)
+                                                     wait_s=time.monotonic() - t0 if self.log_loads else None)
                     if not (intact and copied):
                         good = []
         except Exception:

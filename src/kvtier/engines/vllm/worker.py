@@ -68,8 +68,9 @@ log = logging.getLogger(__name__)
 class WorkerSide(Loads, Saves, FinishedSaves, Suspects, Votes, Sleep):
     def __init__(self, client: StoreClient, background: StoreClient, layout: KVLayout, block_size: int,
                  adapter: PageAdapter | None, ranks: int = 1, wait_s: float = 0.02,
-                 load_wait_s: float = 1.0, inline: bool | None = None) -> None:
+                 load_wait_s: float = 1.0, inline: bool | None = None, log_loads: bool = True) -> None:
         self.client = client
+        self.log_loads = log_loads  # (one rank's loads and waits go to the daemon's request log)
         self.wait_s = wait_s
         self.load_wait_s = load_wait_s
         self._calls = Calls("kvtier-step")
