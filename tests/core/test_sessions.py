@@ -1,9 +1,13 @@
 """Session hints as placement sees them, told as stories over a placement that counts chunks:
-a done session goes first (but not what a live session shares), retained sessions go last and
-farthest first, the quota refuses what would go over, a retained session is staged once before
-it is due and only at the expense of chunks ranked before it."""
+a done session goes first (but not what a live session or unhinted traffic shares, nor what
+another request of it added), retained sessions go last and farthest first (an overdue one as
+if it expired), the quota refuses what would go over (at the hint and as the session grows), a
+retained session is staged once before it is due and only at the expense of chunks ranked
+before it, a request that never finishes times out, and what the book keeps stays bounded."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -58,6 +62,13 @@ class Place:
 
     def in_dram(self, *keys: ChunkKey) -> list[bool]:
         return [self.placement.index.holds(key, 0) for key in keys]
+
+    def check(self) -> None:
+        """The book's count of retained chunks in each tier is what the tiers hold."""
+        index = self.placement.index
+        for level in range(self.book.levels):
+            held = sum(1 for key in index if index.holds(key, level) and self.book.protected(key))
+            assert self.book.retained_at[level] == held
 
     def evictions(self, n: int, level: int = 0) -> list[ChunkKey]:
         """The next ``n`` chunks evicted from ``level``, in order."""
@@ -211,3 +222,204 @@ def test_without_hints_the_wrapper_only_forwards(policy):
             place.save([k(f"s{i % 4}-0"), k(f"s{i % 4}-{i}")], use=i)
     assert not hinted.book.tracking
     assert hinted.evictions(3) == bare.evictions(3)
+
+
+def test_a_victim_costs_nothing_that_grows_with_how_many_sessions_share_a_prefix():
+    """300 retained sessions share a 20-chunk system prompt. Each victim used to walk every
+    session's chunks and, for each shared one, every session holding it (seconds at 1000)."""
+    n, prefix = 300, [k(f"p{i}") for i in range(20)]
+    p = Place(20 + 4 * n, 10**6, share=1.0)
+    for s in range(n):
+        own = [k(f"s{s}o{j}") for j in range(4)]
+        assert p.hint(s, prefix + own, f"s{s}", retain_s=3600, return_s=1000 + s)
+        p.save(prefix + own, use=s)
+        p.finish(s)
+    calls, holds = 0, p.book.holds
+
+    def counted(key: ChunkKey, level: int) -> bool:
+        nonlocal calls
+        calls += 1
+        return holds(key, level)
+
+    p.book.holds = counted
+    policy, shared = p.placement.policies[0], set(prefix)
+    began = time.perf_counter()
+    # only the prompt may go: every session's own chunks are passed once, the prompt once
+    assert policy.victim(lambda key: key in shared) == prefix[-1]
+    assert calls <= 4 * n + 20
+    calls = 0
+    assert p.evictions(5) == [k("s299o3"), k("s299o2"), k("s299o1"), k("s299o0"), k("s298o3")]
+    for _ in range(200):  # successive victims skip what earlier ones took, once
+        assert p.placement.evict(0)
+    assert calls <= 3 * 205
+    assert time.perf_counter() - began < 2.0  # (was minutes)
+    p.check()
+
+
+def test_a_done_hint_dooms_only_the_chunks_its_own_request_used():
+    p = Place(8)
+    public, private, late = k("public"), [k("private-1"), k("private-2")], k("late")
+    p.hint(1, [public, *private], "agent-17", retain_s=600, return_s=30)
+    p.save([public, *private], use=1)
+    p.finish(1)
+    # someone who knows the session's id and its public prompt ends it
+    p.hint(2, [public], "agent-17", done=True)
+    p.finish(2)
+    assert p.book.stats.done == 1 and p.book.retained == 0
+    assert p.book.doomed.keys() == {public}  # not the chunks another request of it added
+    p.save([*private, late], use=1, start=1)  # the first request's late save: not doomed either
+    assert p.book.doomed.keys() == {public}
+    p.check()
+
+    p = Place(8)  # the done request's own saves are its own
+    p.hint(1, [public, *private], "a", retain_s=600)
+    p.save([public, *private], use=1)
+    p.finish(1)
+    p.hint(2, [public], "a", done=True)
+    p.save([public, k("reply")], use=2)
+    p.finish(2)
+    assert p.book.doomed.keys() == {public, k("reply")}
+
+
+def test_a_retained_session_whose_saves_pass_its_quota_is_retained_no_more():
+    p = Place(10)  # a tenant retains 5 chunks at most, all tenants 9
+    prompt = [k("prompt")]
+    assert p.hint(1, prompt, "grows", retain_s=600)
+    p.save([*prompt, *(k(f"r{i}") for i in range(4))], use=1)  # 5: within its share
+    assert p.book.retained == 1 and p.book.quota.held_bytes("") == 5
+    p.save([k(f"r{i}") for i in range(4, 9)], use=1, start=5)  # 10: past it
+    assert p.book.retained == 0 and p.book.stats.refused == 1 and p.book.quota.held_bytes("") == 0
+    assert not p.book.protected(prompt[0]) and prompt[0] in p.book.holders  # named only
+    p.check()
+
+    p = Place(4, 6)  # two tenants within their shares, together past the global cap
+    assert p.hint(1, [k(f"a{i}") for i in range(5)], "a", tenant="a", retain_s=600)
+    assert p.hint(2, [k(f"b{i}") for i in range(4)], "b", tenant="b", retain_s=600)
+    p.placement.touch([k("b4")], start=4, use=2)
+    assert p.book.retained == 1 and p.book.stats.refused == 1 and p.book.quota.total_bytes == 5
+
+
+def test_a_hinted_request_that_never_finishes_times_out_and_its_session_expires():
+    p = Place(8)
+    q = k("q")
+    p.hint(1, [q], "s", retain_s=1, return_s=0.5)
+    p.save([q], use=1)
+    p.finish(1)
+    p.hint(2, [q], "s", retain_s=1, return_s=0.5)  # its next request: its finish never comes
+    p.clock.now += sessions_module.MAX_ACTIVE_S - 1
+    p.book.advance(p.clock())
+    assert p.book.retained == 1  # still running, as far as anyone knows
+    p.clock.now += 2.5  # it counts as finished at its time-out, and retain_s later it expires
+    p.book.advance(p.clock())
+    assert p.book.retained == 0 and p.book.quota.held_bytes("") == 0 and p.book.doomed.keys() == {q}
+    p.check()
+
+
+def test_a_chunk_unhinted_traffic_shares_is_not_doomed_with_a_done_session():
+    system, user, agent, cold = k("system"), k("user"), k("agent"), k("cold")
+    p = Place(4)
+    p.save([cold])
+    p.save([system, user])  # unhinted traffic stored the system prompt
+    p.hint(5, [system, agent], "agent", done=True)
+    p.save([system, agent], use=5)
+    p.finish(5)
+    assert p.book.doomed.keys() == {agent}
+    assert p.evictions(2) == [agent, cold]
+
+    p = Place(4)
+    p.hint(5, [system, agent], "agent", done=True)
+    p.save([system, agent], use=5)
+    p.save([system, user])  # unhinted traffic uses it while the session holds it
+    p.finish(5)
+    assert p.book.doomed.keys() == {agent}
+
+    p = Place(4)  # a hinted request's own lookup, come before its hint, shares nothing
+    p.hint(1, [system, agent], "agent", retain_s=60)
+    p.save([system, agent], use=1)
+    p.finish(1)
+    p.placement.touch([system, agent], use=2)
+    p.hint(2, [system, agent], "agent", done=True)
+    p.finish(2)
+    assert p.book.doomed.keys() == {system, agent}
+
+    p = Place(2, 8, share=0.9)  # nor does the store's own staging of a session
+    p.hint(1, [system, agent], "agent", retain_s=60, return_s=4)
+    p.save([system, agent], use=1)
+    p.finish(1)
+    p.hint(2, [k("busy")], "busy", retain_s=60)
+    p.save([k("busy")], use=2)
+    p.clock.now += 2
+    (due,) = p.book.due(p.clock())
+    with p.book.ceiling(due.expected):
+        p.placement.prefetch(due.keys)
+    p.hint(3, [system, agent], "agent", done=True)
+    p.finish(3)
+    assert p.book.doomed.keys() == {system, agent}
+
+
+def test_an_overdue_session_ranks_as_if_it_expired_and_is_not_staged():
+    p = Place(3, share=1.0)
+    old, soon = k("old"), k("soon")
+    p.hint(1, [old], "old", retain_s=3600, return_s=5)
+    p.save([old], use=1)
+    p.finish(1)  # expected back at 105; it never comes
+    p.clock.now += 600
+    p.hint(2, [soon], "soon", retain_s=3600, return_s=5)
+    p.save([soon], use=2)
+    p.finish(2)  # expected back at 705
+    assert p.evictions(1) == [old]  # ranked by its retain expiry (3700), not as due long ago
+    p.check()
+
+    p = Place(1, 8, share=0.9)
+    a = k("a")
+    p.hint(1, [a], "a", retain_s=3600, return_s=4)
+    p.save([a], use=1)
+    p.finish(1)  # expected at 104, staged from 102
+    p.hint(2, [k("busy")], "busy", retain_s=60)
+    p.save([k("busy")], use=2)  # a request running: a goes down to SSD
+    assert p.in_dram(a) == [False]
+    p.clock.now = 104 + 10  # the store was too busy to ask until it was overdue (109)
+    assert p.book.due(p.clock()) == []
+
+
+def test_a_staging_starts_at_most_max_lead_s_early_and_backs_off_while_it_finds_no_room():
+    p = Place(1, 8, share=0.9)
+    a = k("a")
+    p.hint(1, [a], "a", retain_s=3600, return_s=600)
+    p.save([a], use=1)
+    p.finish(1)  # expected at 700: staged from 690, not 400
+    p.hint(2, [k("busy")], "busy", retain_s=60)
+    p.save([k("busy")], use=2)  # a running session holds DRAM: the staging finds no room
+    asked = []
+    for step in range(4 * 390, 4 * 702):
+        p.clock.now = step / 4
+        if p.book.due(p.clock()):
+            asked.append(p.clock.now)
+    assert asked == [690.0, 690.5, 691.5, 693.5, 697.5]  # 0.5 s, then twice as long each time
+
+
+def test_the_books_deadlines_and_chunks_stay_bounded(monkeypatch):
+    p = Place(4, share=1.0)
+    for use in range(1000):  # a session that finishes over and over, retained for a day
+        p.hint(use, [k("a")], "a", retain_s=86400, return_s=600)
+        p.finish(use)
+    book = p.book
+    assert len(book._expiries) < 200 and len(book._stagings) < 200 and len(book._timeouts) < 200
+
+    monkeypatch.setattr(sessions_module, "MAX_TRACKED_KEYS", 5)
+    p = Place(8, share=1.0)
+    for use, name in enumerate("abc"):
+        p.hint(use, [k(f"{name}-0"), k(f"{name}-1")], name, retain_s=60)
+    assert k("a-0") not in p.book.holders and k("b-0") in p.book.holders  # the oldest forgotten
+    p.placement.touch([k("c-2"), k("c-3")], start=2, use=2)  # growing past it forgets b too
+    assert k("b-0") not in p.book.holders and p.book.retained == 1
+
+
+def test_a_forgotten_session_is_not_brought_back_by_a_late_save_of_an_old_request(monkeypatch):
+    monkeypatch.setattr(sessions_module, "MAX_SESSIONS", 1)
+    p = Place(8)
+    for use in range(sessions_module.RECENT_USES + 1):  # its first request leaves its recent ones
+        p.hint(use, [k("a")], "a", retain_s=60)
+    p.hint(100, [k("b")], "b", retain_s=60)  # "a" is forgotten
+    p.save([k("a"), k("a-late")], use=0)
+    assert k("a") not in p.book.holders and k("a-late") not in p.book.holders

@@ -1,5 +1,6 @@
 """The daemon's operations as a client meets them: a session hint on ``queued`` is checked field
-by field, counted, and shown in the stats and the metrics."""
+by field, counted, and shown in the stats and the metrics; a ``done`` hint dooms only what its
+own request used."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvtier.server.metrics import Metrics
 from kvtier.store.cache import CacheConfig
 from kvtier.tiers.host_config import HostTierConfig
 
+from ..conftest import make_kv
 from .test_daemon import LAYOUT, MODEL
 
 C = LAYOUT.chunk_tokens
@@ -64,5 +66,25 @@ def test_a_hint_on_queued_is_counted_in_the_stats_and_the_metrics(daemon):
         body = generate_latest(Metrics(daemon.snapshot).registry).decode()
         assert "kvtier_hints_accepted_total 2.0" in body and "kvtier_sessions_retained 1.0" in body
         assert "kvtier_sessions_done_total 1.0" in body and "kvtier_hint_staged_chunks_total 0.0" in body
+    finally:
+        client.close()
+
+
+def test_a_done_hint_from_whoever_knows_a_session_dooms_only_its_own_requests_chunks(daemon):
+    client = StoreClient(daemon.config.socket_path, model=MODEL, layout=LAYOUT)
+    try:
+        tokens = list(range(3 * C))
+        keys = client.keys_for(tokens)
+        client.queued("r-1", keys, prefetch=False, hint=SessionHint("agent-1", retain_s=60))
+        client.started("r-1")
+        assert client.save(tokens, make_kv(LAYOUT, 3 * C), request="r-1").stored == 3
+        client.finished("r-1")
+        # another client that knows the session's id and its public first chunk ends it
+        client.queued("x-1", keys[:1], prefetch=False, hint=SessionHint("agent-1", done=True))
+        client.started("x-1")
+        client.finished("x-1")
+        assert client.errors == 0 and client.stats()["sessions_done"] == 1
+        (doomed,) = daemon.cache.sessions.doomed.keys()  # not the session's other two chunks
+        assert daemon.cache.index.position(doomed) == 0
     finally:
         client.close()

@@ -1,6 +1,8 @@
 """Session hints in the live store, with real tiers: a retained session pushed down to SSD is
 back in DRAM before it is due with no request touching it; a done session's chunks go first;
-the quota refuses and counts; without hints nothing runs that did not before."""
+the quota refuses and counts; a request aborted while queued ends its part in its session; what
+the DRAM policy stages never evicts a retained session's chunk; without hints nothing runs that
+did not before."""
 
 from __future__ import annotations
 
@@ -100,6 +102,32 @@ def test_the_quota_refuses_a_hint_serves_its_request_and_counts_it(layout, tmp_p
         snap = cache.snapshot()
         assert (snap["hints_accepted"], snap["hints_refused"], snap["sessions_retained"]) == (2, 1, 2)
         assert all(in_dram(cache, keys("long", 2)))  # served and saved all the same
+
+
+def test_a_hinted_request_aborted_while_queued_lets_its_session_expire(layout, tmp_path):
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    chunks, hint = keys("s", 2), SessionHint("s", retain_s=0.2)
+    with cache_of(layout, tmp_path, host_chunks=8, hint_share=0.9) as cache:
+        serve(cache, shape, "r-1", chunks, hint)
+        cache.queued("r-2", chunks, entry=shape, wait=False, prefetch=False, hint=hint)
+        cache.finished("r-2")  # aborted before it started
+        time.sleep(0.3)  # past retain_s
+        with cache._section:
+            cache.sessions.advance(time.monotonic())
+        assert cache.snapshot()["sessions_retained"] == 0
+
+
+def test_what_the_dram_policy_stages_never_evicts_a_retained_sessions_chunk(layout, tmp_path):
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    plain, agent = keys("plain", 1), keys("agent", 2)
+    with cache_of(layout, tmp_path, host_chunks=2, hint_share=0.9) as cache:
+        save(cache, shape, plain)
+        serve(cache, shape, "a-1", agent, SessionHint("agent", retain_s=60, return_s=30))
+        assert in_dram(cache, agent + plain) == [True, True, False]  # plain went down to SSD
+        cache.placement.staging = lambda now: [plain]  # the policy guesses plain comes back
+        cache.started("r-2")
+        assert cache.flush(10)
+        assert in_dram(cache, agent + plain) == [True, True, False]  # no room it may take
 
 
 def test_without_hints_no_session_thread_runs_and_nothing_is_counted(layout, tmp_path):

@@ -4,12 +4,14 @@ against (:class:`~kvtier.core.sessions.SessionBook` keeps it).
 Counted in bytes of chunks, each distinct chunk once per tenant however many of the tenant's
 retained sessions hold it (a shared system prompt counts once), against the store's local
 capacity (DRAM + SSD). With chunks of one size that is the capacity in chunks; with several
-models' chunks each weighs what it takes. Not thread-safe: the store calls it under its lock.
+models' chunks each weighs what it takes. It also answers, in one read, whether any retained
+session holds a chunk (:meth:`TenantQuota.retains`). Not thread-safe: the store calls it under its
+lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvtier.core.keys import ChunkKey
 
@@ -19,9 +21,11 @@ GLOBAL_SHARE = 0.9
 
 class TenantQuota:
     """Retained bytes per tenant and in all, against ``share`` (per tenant) and
-    :data:`GLOBAL_SHARE` (all tenants) of ``capacity_bytes``."""
+    :data:`GLOBAL_SHARE` (all tenants) of ``capacity_bytes``; ``changed(key, +1 or -1)`` is told
+    when a chunk becomes retained (by any session) and when it is no longer."""
 
-    def __init__(self, capacity_bytes: int, share: float) -> None:
+    def __init__(self, capacity_bytes: int, share: float,
+                 changed: Callable[[ChunkKey, int], None] | None = None) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
@@ -32,6 +36,9 @@ class TenantQuota:
         self._keys: dict[str, dict[ChunkKey, int]] = {}
         """tenant -> chunk -> how many of its retained sessions hold it."""
         self._bytes: dict[str, int] = {}
+        self._all: dict[ChunkKey, int] = {}
+        """chunk -> how many retained sessions hold it, all tenants'."""
+        self._changed = changed
 
     def fits(self, tenant: str, keys: Iterable[ChunkKey], weight: int) -> bool:
         """Whether retaining ``keys`` (``weight`` bytes each) keeps ``tenant`` within its share
@@ -43,9 +50,19 @@ class TenantQuota:
         return (self._bytes.get(tenant, 0) + extra <= self.share * self.capacity_bytes
                 and self.total_bytes + extra <= GLOBAL_SHARE * self.capacity_bytes)
 
+    def retains(self, key: ChunkKey) -> bool:
+        """Whether a retained session (of any tenant) holds ``key``."""
+        return key in self._all
+
     def add(self, tenant: str, keys: Iterable[ChunkKey], weight: int) -> None:
+        """A retained session of ``tenant`` holds ``keys`` (each once) from now."""
         held = self._keys.setdefault(tenant, {})
+        every = self._all
         for key in keys:
+            m = every.get(key, 0)
+            every[key] = m + 1
+            if not m and self._changed is not None:
+                self._changed(key, 1)
             n = held.get(key, 0)
             held[key] = n + 1
             if not n:
@@ -53,11 +70,21 @@ class TenantQuota:
                 self.total_bytes += weight
 
     def remove(self, tenant: str, keys: Iterable[ChunkKey], weight: int) -> None:
+        """A retained session of ``tenant`` holds ``keys`` no more (each of them it held)."""
         held = self._keys.get(tenant)
         if held is None:
             return
+        every = self._all
         for key in keys:
             n = held.get(key, 0)
+            if n:
+                m = every[key] - 1
+                if m:
+                    every[key] = m
+                else:
+                    del every[key]
+                    if self._changed is not None:
+                        self._changed(key, -1)
             if n > 1:
                 held[key] = n - 1
             elif n == 1:

@@ -10,6 +10,7 @@ by ``close``). A part of :class:`~kvtier.store.cache.ChunkCache`, under its one 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from kvtier.core.keys import ChunkKey
 from kvtier.core.mover import Shape
 from kvtier.core.session_hints import SessionHint
-from kvtier.core.sessions import Staging
+from kvtier.core.session_state import Staging
 from kvtier.store.config import NOMINAL_CHUNK_BYTES
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,9 @@ class CacheRequests:
         roughly in arrival order: starting one also ends the look-ahead protection of those that
         arrived before it. The hinted sessions due in DRAM, then what the DRAM policy stages
         (conversations it predicts are coming back, see
-        :meth:`~kvtier.core.policies.base.EvictionPolicy.staging`), are prefetched in the
-        background, as a hint is. Returns its number, the ``use`` of its touches."""
+        :meth:`~kvtier.core.policies.base.EvictionPolicy.staging`; never at the expense of a
+        retained session's chunk), are prefetched in the background, as a hint is. Returns its
+        number, the ``use`` of its touches."""
         staged: list[Sequence[ChunkKey]] = []
         due: list[Staging] = []
         with self._section:
@@ -68,8 +70,8 @@ class CacheRequests:
                 due = self._due(now)
                 staged = self.placement.staging(now)
         self._stage(due)
-        for keys in staged:  # outside the lock: prefetch takes it to queue the work
-            self.prefetch(keys, wait=False)
+        for keys in staged:  # outside the lock: queueing takes it
+            self._stage_guess(keys)
         return seq
 
     def use_of(self, request_id: str | None, *, finished: bool = False) -> int | None:
@@ -89,7 +91,8 @@ class CacheRequests:
 
     def finished(self, request_id: str) -> None:
         """The request's reply is done (the policies hear when: a conversation's next turn
-        comes a think time after it)."""
+        comes a think time after it), or it was aborted before it started (its session, told
+        when it was queued, hears of its end too)."""
         with self._section:
             seq = self._requests.finished(request_id)
             if seq is not None:
@@ -130,6 +133,18 @@ class CacheRequests:
 
             self._in_background(work)
 
+    def _stage_guess(self, keys: Sequence[ChunkKey]) -> None:
+        """Prefetch what the DRAM policy stages in the background, as a hint is, evicting no
+        retained session's chunk (only doomed and unhinted ones): a session's hint outranks the
+        policy's guess, and a guess must not thrash against the hints' own staging."""
+        keys = list(keys)
+
+        def work() -> int:
+            with self._section, self.sessions.ceiling(math.inf):
+                return self.placement.prefetch(keys)
+
+        self._in_background(work)
+
     def _tick(self) -> None:
         while not self._stop_ticks.wait(TICK_S):
             try:
@@ -145,7 +160,7 @@ class CacheRequests:
             self._ticks.join()
 
     def hint_counters(self) -> dict[str, int]:
-        """What the session hints did (under the lock): see :class:`~kvtier.core.sessions.HintStats`."""
+        """What the session hints did (under the lock): see :class:`~kvtier.core.session_state.HintStats`."""
         st = self.sessions.stats
         return {"hints_accepted": st.accepted, "hints_refused": st.refused,
                 "sessions_retained": self.sessions.retained, "sessions_done": st.done,

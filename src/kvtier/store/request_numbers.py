@@ -72,10 +72,14 @@ class Requests:
         return seq if seq is not None or not finished else self._finished.get(request_id)
 
     def finished(self, request_id: str) -> int | None:
-        """A request is done; its number if it had started (None: never started, forgotten, or
-        finished before). Its number still names its saves for a while (``MAX_REQUESTS``)."""
-        self._waiting.pop(request_id, None)
+        """A request is done (or, never started, aborted while it waited); its number (None:
+        unknown, forgotten, or finished before), so that whoever heard of it when it was queued
+        hears of its end. Its number still names its saves for a while (``MAX_REQUESTS``)."""
         seq = self._running.pop(request_id, None)
+        if seq is None:
+            seq = self._waiting.pop(request_id, None)
+        else:
+            self._waiting.pop(request_id, None)
         if seq is not None:
             _remember(self._finished, request_id, seq)
         return seq

@@ -1,4 +1,4 @@
-"""Session hints over a tier's own policy: the order the hints ask for, the policy's order within it.
+"""Session hints over a tier's own policy: the order the hints ask for, the policy's within it.
 
 :class:`HintedPolicy` wraps the policy a tier was configured with (``lru``, ``returns``, ...)
 and a :class:`~kvtier.core.sessions.SessionBook` that every tier's wrapper shares. Its victims:
@@ -8,11 +8,14 @@ and a :class:`~kvtier.core.sessions.SessionBook` that every tier's wrapper share
 2. the chunks no retained session holds, in the wrapped policy's own order;
 3. retained sessions' chunks, the session expected back farthest first, its deepest chunk first
    (within a staging's :meth:`~kvtier.core.sessions.SessionBook.ceiling`: only those ranked
-   before the session being staged).
+   before the session being staged), from an order built once per change of the book
+   (:mod:`kvtier.core.session_order`): a victim costs nothing that grows with how many sessions
+   share a chunk.
 
 Everything else (admission, the scheduler hooks, the policy's own staging) is the wrapped
-policy's. Until a session is hinted the wrapper only forwards: a store that gets no hints pays
-one attribute read per call, and ``kvtier replay`` does not wrap its policies at all.
+policy's (the store runs that staging under a ceiling that spares every retained chunk). Until
+a session is hinted the wrapper only forwards: a store that gets no hints pays one attribute
+read per call, and ``kvtier replay`` does not wrap its policies at all.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ class HintedPolicy(EvictionPolicy):
 
     def insert(self, key: ChunkKey, position: int | None = None) -> None:
         self.inner.insert(key, position)
-        if self.book.tracking and self.book.doomed:
-            self.book.doomed.inserted(key, self.level)
+        if self.book.tracking:
+            self.book.inserted(key, self.level)
 
     def touch(self, keys: Sequence[ChunkKey], cost_s: float | None = None, *, start: int = 0,
               use: int | None = None) -> None:
@@ -49,8 +52,8 @@ class HintedPolicy(EvictionPolicy):
 
     def remove(self, key: ChunkKey) -> None:
         self.inner.remove(key)
-        if self.book.tracking and self.book.doomed:
-            self.book.doomed.removed(key, self.level)
+        if self.book.tracking:
+            self.book.removed(key, self.level)
 
     def victim(self, evictable: Callable[[ChunkKey], bool]) -> ChunkKey | None:
         book = self.book
@@ -61,15 +64,11 @@ class HintedPolicy(EvictionPolicy):
         for key in book.doomed.at(level):
             if evictable(key):
                 return key
-        key = self.inner.victim(lambda k: not book.protected(k) and evictable(k))
-        if key is not None:
-            return key
-        holds = book.holds
-        for expected, keys in book.retained_order():
-            for k in reversed(keys):  # deepest first
-                if holds(k, level) and book.soonest(k) >= expected and evictable(k):
-                    return k
-        return None
+        if book.retained_at[level] < len(self.inner):  # (else every chunk it holds is retained)
+            key = self.inner.victim(lambda k: not book.protected(k) and evictable(k))
+            if key is not None:
+                return key
+        return book.retained_victim(level, evictable)
 
     def __len__(self) -> int:
         return len(self.inner)
