@@ -123,7 +123,9 @@ def test_only_the_blocks_vllm_lacks_are_loaded_and_counted(inline):
     assert torch.equal(kv0[22].flatten(), (chunk.clone() + 1).view(torch.float32)[:page])
     layer1 = LAYOUT.layer_bytes // 4
     assert torch.equal(w.kv[1][21].flatten(), pages[layer1 + page : layer1 + 2 * page])
-    assert client.released == [{"request": "A", "took": [4, 4], "had": 0, "failed": 0}]
+    (report,) = client.released
+    assert 0 <= report.pop("wait_s") < 10  # rank 0 logs how long the step waited on its loads
+    assert report == {"request": "A", "took": [4, 4], "had": 0, "failed": 0}
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["copied-inline", "copied-on-a-thread"])
