@@ -284,6 +284,9 @@ def test_a_slow_tier_admits_only_what_staging_will_bring_back():
     assert not p.admit(k(2, 0), None)  # a hit on it from this tier would cost more than a miss
     fast = ReturnsPolicy(TierContext(level=1, chunk_load_s=0.0))
     assert fast.admit(k(2, 0), None)  # from a fast tier every hit saves
+    guessed = ReturnsPolicy(TierContext(level=1, chunk_load_s=slow.chunk_load_s, costs_known=False))
+    Driver(guessed).serve(31.0, seq(2, 2))
+    assert guessed.admit(k(2, 0), None)  # nominal costs (a live store's) never refuse a tier
 
 
 def store_of(layout: KVLayout, host_chunks: int, disk_path) -> KVStore:

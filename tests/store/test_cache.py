@@ -117,6 +117,28 @@ def test_the_daemon_path_and_recovery_give_the_policy_every_chunks_position(layo
         assert [cache.index.position(k) for k in keys] == list(range(12))
 
 
+def test_a_daemon_with_returns_demotes_what_dram_evicts_to_ssd(layout, tmp_path):
+    """A daemon serves any model: its policies' compute model and chunk size are nominal (an 8B
+    model on an accelerator, 16 MiB chunks), whose difference once judged a hit from SSD slower
+    than a recompute and kept every chunk of an irregular session off SSD (none demoted, 42% of
+    an agent benchmark's history recomputed). Guesses may order chunks, never refuse a tier."""
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    config = CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=layout.chunk_bytes),
+                         disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)),
+                         policy="returns")
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(12)]
+    with ChunkCache(config) as cache:
+        assert not cache.placement.policies[1].inner._ctx.costs_known
+        for i, key in enumerate(keys):  # one sequence, saved as a daemon saves: DRAM holds 4
+            res = cache.reserve(key, shape, position=i, remaining=len(keys) - i)
+            assert res is not Slot.HELD and res is not Slot.BUSY
+            res.buffer.fill_(i)
+            cache.commit(res, position=i)
+            cache.touch([key], start=i)
+        assert cache.flush()
+        assert sum(cache.disk.position_of(k) is not None for k in keys) >= len(keys) - 4
+
+
 def test_chunks_of_two_models_share_dram_and_one_takes_an_extent_from_the_other(layout, tmp_path):
     a = Shape(layout.chunk_bytes, layout.layer_bytes)  # 32 KiB chunks
     b = Shape(4 * layout.chunk_bytes, layout.layer_bytes)  # another model's: 128 KiB

@@ -109,7 +109,7 @@ class ChunkCache(CacheLookups, CacheReads, CacheWrites, CacheCounters, CacheRequ
         policies = [
             make_policy(config.policy, TierContext(
                 level=level, chunk_tokens=config.chunk_tokens,
-                chunk_load_s=chunk_bytes / NOMINAL_READ_BPS[kind],
+                chunk_load_s=chunk_bytes / NOMINAL_READ_BPS[kind], costs_known=False,
             ))
             for level, kind in enumerate(kinds)
         ]

@@ -68,6 +68,11 @@ class TierContext:
     compute: ComputeModel = field(default_factory=ComputeModel)
     future: FutureUses | None = None
     """The whole future of a trace; only the offline ``optimal`` bound takes it."""
+    costs_known: bool = True
+    """Whether ``compute`` and ``chunk_load_s`` are the served model's and the tier's. A live
+    store serves any model on any machine (its compute model is a nominal 8B model on an
+    accelerator, its chunk a nominal size): a difference between two such guesses may order
+    chunks, but never keeps a chunk out of a tier."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, int) or self.level < 0:

@@ -77,7 +77,8 @@ store's, all its engines': one engine's queue holds staging back for an idle one
 store too.
 
 **Admission.** DRAM admits everything. A lower tier admits a chunk when a hit on it there saves
-prefill time (its recompute takes longer than reading it from there), and otherwise only for a
+prefill time (its recompute takes longer than reading it from there; a live store, which knows
+neither the model's speed nor the tier's, admits every chunk), and otherwise only for a
 session regular enough for staging to bring it back into DRAM in time (log variance under
 ``ADMIT_LOG_VAR``): a hit from a tier slower than recompute is a loss, and the tier is then
 only worth it as a staging area.
@@ -375,7 +376,7 @@ class ReturnsPolicy(ReturnsModel, ReturnsHeaps, EvictionPolicy):
         if meta is not None and meta.dead:
             return False  # superseded: only the same prompt again would read it
         at = position if position is not None else meta.position if meta is not None else 0
-        if self._ctx.miss_saving_s(at) > 0:
+        if not self._ctx.costs_known or self._ctx.miss_saving_s(at) > 0:
             return True
         if meta is None or meta.group.forgotten:
             return False
