@@ -22,6 +22,7 @@ from kvtier.bench.serve_trace import (
     TraceRow,
     TraceScale,
     as_turn_records,
+    in_family_sample,
     lateness_stats,
     load_trace,
     run_trace,
@@ -181,6 +182,22 @@ def test_a_workload_shrinks_prompts_caps_replies_skips_long_rows_and_says_so(tmp
         trace_workload(path, TraceScale(max_input_tokens=1), 32000)
     exact = trace_workload(path, TraceScale(max_input_tokens=100), 32000)  # by default: every reply its length
     assert exact.outputs == [100, 1, 5] and exact.capped == 0 and "every reply its row's length" in exact.description
+
+
+def test_a_family_sample_keeps_whole_prefix_families_and_about_its_share_of_them(tmp_path):
+    rows = [row(1000 * i, [i % 40, 100 + i]) for i in range(400)]  # 40 families of 10 rows
+    path = write(tmp_path, rows)
+    work = trace_workload(path, TraceScale(), 32000, families=0.25)
+    kept = {r.hash_ids[0] for r in work.rows}
+    assert 4 <= len(kept) <= 18 and len(work.rows) == 10 * len(kept)  # whole families only
+    assert "prefix families sampled 0.25" in work.description
+    assert work.arrivals_s[0] == 0.0  # counted from the first row kept
+    again = [r for r in load_trace(path) if in_family_sample(r, 0.25)]
+    assert [r.line for r in again] == [r.line for r in work.rows]  # stable: a hash, not a draw
+    assert len(trace_workload(path, TraceScale(), 32000, families=1.0).rows) == 400
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="families must be a share"):
+            trace_workload(path, TraceScale(), 32000, families=bad)
 
 
 def test_a_workload_from_a_tokenizer_leaves_its_special_tokens_out(tmp_path):

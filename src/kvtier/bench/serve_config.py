@@ -74,6 +74,8 @@ class ServeBenchConfig:
     """The trace's first rows only (None: all)."""
     trace_max_output: int | None = None
     """Cap on a trace reply's tokens (None: each its row's ``output_length``)."""
+    trace_families: float | None = None
+    """Replay only this share of the trace's prefix families, each whole (None: every row)."""
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "in_flight", "max_user_tokens", "max_reply_tokens",
@@ -89,6 +91,8 @@ class ServeBenchConfig:
         for name in ("trace_limit", "trace_max_output"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"bench serve {name} must be positive")
+        if self.trace_families is not None and not 0 < self.trace_families <= 1:
+            raise ValueError(f"bench serve trace_families must be in (0, 1], got {self.trace_families}")
         if self.think_s < 0 or self.skip < 0:
             raise ValueError("bench serve think_s and skip must not be negative")
         if self.pool_conversations < 1:

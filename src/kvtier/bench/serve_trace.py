@@ -34,6 +34,7 @@ CPU cores:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -46,8 +47,8 @@ from kvtier.bench.chat_client import TurnRecord
 from kvtier.bench.serve_trace_client import TraceRecord, lateness_stats, run_trace
 from kvtier.bench.trace import MOONCAKE_BLOCK_TOKENS, TraceError
 
-__all__ = ["TraceRecord", "TraceRow", "TraceScale", "TraceWorkload", "as_turn_records", "lateness_stats",
-           "load_trace", "run_trace", "scaled_input_length", "token_pool", "trace_prompts", "trace_workload"]
+__all__ = ["TraceRecord", "TraceRow", "TraceScale", "TraceWorkload", "as_turn_records", "in_family_sample",
+           "lateness_stats", "load_trace", "run_trace", "scaled_input_length", "token_pool", "trace_prompts", "trace_workload"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,13 +281,32 @@ def _vocabulary(tokenizer_dir_or_vocab: str | Path | int) -> tuple[int, list[int
     return len(tok), sorted(special)
 
 
+def in_family_sample(row: TraceRow, families: float, seed: int = 0) -> bool:
+    """Whether ``row``'s prefix family (the rows whose first hash id is its) is among a
+    ``families`` share of all of them: a stable hash of the first id and ``seed`` (the same in
+    every process), so a family is kept whole or not at all."""
+    digest = hashlib.blake2b(f"{seed}:{row.hash_ids[0]}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < families * (1 << 64)
+
+
 def trace_workload(path: str | Path, scale: TraceScale, tokenizer_dir_or_vocab: str | Path | int, *,
-                   limit: int | None = None, skip: int = 0, seed: int = 0) -> TraceWorkload:
+                   limit: int | None = None, skip: int = 0, seed: int = 0,
+                   families: float | None = None) -> TraceWorkload:
     """The trace at ``path`` (rows ``skip`` to ``skip + limit``) shrunk by ``scale`` into
     prompts for a model whose tokenizer is in the given directory (its special ids left out of
-    the prompts) or whose vocabulary has the given size."""
+    the prompts) or whose vocabulary has the given size. ``families`` keeps that share of the
+    trace's prefix families (:func:`in_family_sample`), whole: a trace's reuse is mostly across
+    minutes (the example's first 48 rows share nothing, its whole 64% of blocks), which a run of
+    its first rows never sees and a sample of families over the whole trace keeps, at a rate a
+    small machine serves."""
+    if families is not None and not (isinstance(families, (int, float)) and 0 < families <= 1):
+        raise ValueError(f"trace families must be a share in (0, 1], got {families!r}")
     vocab, special = _vocabulary(tokenizer_dir_or_vocab)
     loaded = load_trace(path, limit=limit, skip=skip, source_block=scale.source_block)
+    if families is not None:
+        loaded = [r for r in loaded if in_family_sample(r, families, seed)]
+        if not loaded:
+            raise ValueError(f"{path}: no prefix family falls in a sample of {families:g} of them")
     cap = scale.max_input_tokens
     rows = [r for r in loaded if cap is None or scaled_input_length(r, scale) <= cap]
     if not rows:
@@ -301,7 +321,8 @@ def trace_workload(path: str | Path, scale: TraceScale, tokenizer_dir_or_vocab: 
     finals = [len(p) + o for p, o in zip(prompts, outputs, strict=True)]
     skipped = len(loaded) - len(rows)
     description = (f"{len(rows)} requests of {Path(path).name}"
-                   f"{f' (from row {skip})' if skip else ''}, blocks {scale.source_block}->"
+                   f"{f' (from row {skip})' if skip else ''}"
+                   f"{f', prefix families sampled {families:g}' if families is not None else ''}, blocks {scale.source_block}->"
                    f"{scale.block_tokens} tokens, times x{scale.time_scale:g} ({arrivals[-1]:.0f} s)"
                    + (f", replies capped at {most} tokens ({capped} capped)" if most is not None
                       else ", every reply its row's length")

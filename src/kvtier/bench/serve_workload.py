@@ -52,7 +52,8 @@ def build_workload(config: ServeBenchConfig, model_dir: Path) -> Workload:
 
         scale = TraceScale(block_tokens=config.trace_block_tokens, time_scale=config.trace_time_scale,
                            max_output_tokens=config.trace_max_output)
-        tw = trace_workload(config.trace, scale, model_dir, limit=config.trace_limit)
+        tw = trace_workload(config.trace, scale, model_dir, limit=config.trace_limit,
+                            families=config.trace_families)
         return Workload([], [str(r.line) for r in tw.rows], list(tw.final_tokens), kv_bytes_per_token(model_dir),
                         trace=tw)
     if config.workload == "agent":

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
               help="Replay the trace's first N requests only.")
 @click.option("--trace-max-output", type=click.IntRange(min=1), default=None,
               help="Cap each reply at this many tokens [default: every reply its row's output_length].")
+@click.option("--trace-families", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Replay this share of the trace's prefix families (rows by their first hash id), "
+                   "each whole: the trace's reuse at a lower rate [default: every row].")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Draw TTFT against step for every configuration into this file (.png, .svg, .pdf).")
 @click.option("--think-s", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -85,7 +88,8 @@ if TYPE_CHECKING:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench_serve(model: str, workload: str, conversations: int | None, turns: int | None,
                 in_flight: int | None, hints: str, trace: str | None, trace_block_tokens: int,
-                trace_time_scale: float, trace_limit: int | None, trace_max_output: int | None, plot: str | None, think_s: float,
+                trace_time_scale: float, trace_limit: int | None, trace_max_output: int | None, trace_families: float | None,
+                plot: str | None, think_s: float,
                 max_user_tokens: int, max_reply_tokens: int, skip: int, dataset: str | None,
                 block_size: int, chunk_tokens: int, pool_conversations: float | None, host_fraction: float,
                 cpu_bind: str, directory: str | None, load_async: bool, policy: str | None, configs: str,
@@ -116,7 +120,7 @@ def bench_serve(model: str, workload: str, conversations: int | None, turns: int
         config = ServeBenchConfig(
             model=model, workload=workload, hints=hints == "on", trace=trace,
             trace_block_tokens=trace_block_tokens, trace_time_scale=trace_time_scale, trace_limit=trace_limit,
-            trace_max_output=trace_max_output,
+            trace_max_output=trace_max_output, trace_families=trace_families,
             **sizes, think_s=think_s, max_user_tokens=max_user_tokens, max_reply_tokens=max_reply_tokens,
             skip=skip, dataset=dataset, block_size=block_size, chunk_tokens=chunk_tokens,
             host_fraction=host_fraction, cpu_bind=cpu_bind,
