@@ -329,3 +329,11 @@ def test_a_fleet_routes_each_turn_by_its_rule_and_refuses_what_it_cannot_serve(m
     assert "--instances > 1 supports kvtier and vllm only" in refused("--instances", "2", "--peers", "lmcache")
     assert "needs at least as many cores" in refused("--instances", "3", "--cpu-bind", "0-1")
     assert "Invalid value for '--route'" in refused("--route", "random")
+
+
+def test_trace_options_without_a_trace_are_refused_by_name():
+    with pytest.raises(ValueError, match="trace_limit, trace_families need a trace"):
+        ServeBenchConfig(model="m", trace_limit=4, trace_families=0.5)
+    with pytest.raises(ValueError, match="trace_families must be in"):
+        ServeBenchConfig(model="m", trace="t.jsonl", trace_families=1.5)
+    ServeBenchConfig(model="m", trace="t.jsonl", trace_families=0.5, trace_limit=4)  # with one: fine

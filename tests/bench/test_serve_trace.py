@@ -191,7 +191,10 @@ def test_a_family_sample_keeps_whole_prefix_families_and_about_its_share_of_them
     kept = {r.hash_ids[0] for r in work.rows}
     assert 4 <= len(kept) <= 18 and len(work.rows) == 10 * len(kept)  # whole families only
     assert "prefix families sampled 0.25" in work.description
-    assert work.arrivals_s[0] == 0.0  # counted from the first row kept
+    first = min(kept)  # family f's first row arrives at f s: arrivals count from the first kept
+    assert work.rows[0].timestamp_ms == 1000 * first and work.arrivals_s[1] == 1.0 * (sorted(kept)[1] - first)
+    limited = trace_workload(path, TraceScale(), 32000, families=0.25, limit=3)
+    assert [r.line for r in limited.rows] == [r.line for r in work.rows[:3]]  # sampled, then limited
     again = [r for r in load_trace(path) if in_family_sample(r, 0.25)]
     assert [r.line for r in again] == [r.line for r in work.rows]  # stable: a hash, not a draw
     assert len(trace_workload(path, TraceScale(), 32000, families=1.0).rows) == 400

@@ -55,3 +55,13 @@ def test_good_hints_and_everything_else_pass_through_untouched():
                                ("/tokenize", b'{"kv_transfer_params": {"kvtier": 5}}', "POST")]:
         status, reply, reached = _call(path, body, chunks=2 if len(body) > 4 else 1, method=method)
         assert (status, reply, reached) == (200, b"ok", body), path
+
+
+def test_an_escaped_key_is_checked_and_the_param_is_the_whole_field_name():
+    body = b'{"prompt": "hi", "kv_transfer_params": {"kv\\u0074ier": {"session": "s", "retain_s": -1}}}'
+    status, reply, reached = _call("/v1/completions", body)
+    assert status == 400 and reached is None  # JSON spells "kvtier" there
+    assert json.loads(reply)["error"]["param"] == "kv_transfer_params.kvtier.retain_s"
+    body = json.dumps({"kv_transfer_params": {"kvtier": {"session": "s", "x-y": 1}}}).encode()
+    status, reply, _ = _call("/v1/completions", body)
+    assert status == 400 and json.loads(reply)["error"]["param"] == "kv_transfer_params.kvtier.x-y"

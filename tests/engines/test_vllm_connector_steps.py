@@ -128,6 +128,21 @@ def test_only_the_blocks_vllm_lacks_are_loaded_and_counted(inline):
     assert report == {"request": "A", "took": [4, 4], "had": 0, "failed": 0}
 
 
+def test_a_rank_that_does_not_log_loads_reports_them_without_a_wait():
+    """Only rank 0 of an engine (tensor and pipeline) reports its step's wait: the daemon logs a
+    request's loads from the release that carries one, so a second rank's would count twice."""
+    client = FakeClient()
+    w = worker(client, True)
+    w.log_loads = False
+    chunk = torch.arange(LAYOUT.chunk_bytes // 4, dtype=torch.float32).view(torch.uint8)
+    client.stored = {key(0): chunk.clone(), key(1): chunk.clone() + 1}
+    t = load("A", [key(0), key(1)], [20, 21, 22], skip=1, tail=1)
+    assert step(w, KVTierMetadata(loads=[t], writes=[Write("A", [20, 21, 22, 23], 12, 13)])) == set()
+    (report,) = client.released
+    assert report.pop("wait_s", None) is None  # (the client sends no wait_ms for None)
+    assert report == {"request": "A", "took": [4, 4], "had": 0, "failed": 0}
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["copied-inline", "copied-on-a-thread"])
 def test_a_finished_request_is_saved_in_the_background_and_reported_done(inline):
     client = FakeClient()

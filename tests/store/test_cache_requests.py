@@ -43,9 +43,9 @@ def save(cache: ChunkCache, shape: Shape, chunks: list[ChunkKey], use: int | Non
 
 
 def serve(cache: ChunkCache, shape: Shape, request: str, chunks: list[ChunkKey],
-          hint: SessionHint | None, finish: bool = True) -> None:
+          hint: SessionHint | None, finish: bool = True, tenant: str | None = None) -> None:
     """A request as a vLLM connector drives it: queued (with its hint), started, saved, finished."""
-    cache.queued(request, chunks, entry=shape, wait=False, prefetch=False, hint=hint)
+    cache.queued(request, chunks, entry=shape, wait=False, prefetch=False, hint=hint, tenant=tenant)
     cache.started(request)
     save(cache, shape, chunks, use=cache.use_of(request))
     if finish:
@@ -102,6 +102,19 @@ def test_the_quota_refuses_a_hint_serves_its_request_and_counts_it(layout, tmp_p
         snap = cache.snapshot()
         assert (snap["hints_accepted"], snap["hints_refused"], snap["sessions_retained"]) == (2, 1, 2)
         assert all(in_dram(cache, keys("long", 2)))  # served and saved all the same
+
+
+def test_a_salt_is_scoped_by_the_requests_tenant_never_another_tenants_session_or_quota(layout, tmp_path):
+    """``cache_salt`` is a client's field: two engines' tenants whose users send the same salt
+    and session name hold two sessions, each under its own tenant's quota."""
+    shape = Shape(layout.chunk_bytes, layout.layer_bytes)
+    with cache_of(layout, tmp_path, host_chunks=4, disk=False, hint_share=0.25) as cache:  # a chunk a tenant
+        serve(cache, shape, "a-1", keys("a", 1), SessionHint("s", retain_s=60, tenant="user1"), tenant="a")
+        serve(cache, shape, "b-1", keys("b", 1), SessionHint("s", retain_s=60, tenant="user1"), tenant="b")
+        snap = cache.snapshot()
+        assert (snap["hints_accepted"], snap["hints_refused"], snap["sessions_retained"]) == (2, 0, 2)
+        serve(cache, shape, "a-2", keys("a2", 1), SessionHint("t", retain_s=60, tenant="user1"), tenant="a")
+        assert cache.snapshot()["hints_refused"] == 1  # tenant a's salt user1 holds its share
 
 
 def test_a_hinted_request_aborted_while_queued_lets_its_session_expire(layout, tmp_path):

@@ -93,6 +93,12 @@ class ServeBenchConfig:
                 raise ValueError(f"bench serve {name} must be positive")
         if self.trace_families is not None and not 0 < self.trace_families <= 1:
             raise ValueError(f"bench serve trace_families must be in (0, 1], got {self.trace_families}")
+        if self.trace is None:
+            given = [name for name, default in (("trace_block_tokens", 16), ("trace_time_scale", 1.0),
+                                                ("trace_limit", None), ("trace_max_output", None),
+                                                ("trace_families", None)) if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"bench serve {', '.join(given)} need a trace (--trace FILE)")
         if self.think_s < 0 or self.skip < 0:
             raise ValueError("bench serve think_s and skip must not be negative")
         if self.pool_conversations < 1:

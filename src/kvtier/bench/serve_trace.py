@@ -295,18 +295,22 @@ def trace_workload(path: str | Path, scale: TraceScale, tokenizer_dir_or_vocab: 
     """The trace at ``path`` (rows ``skip`` to ``skip + limit``) shrunk by ``scale`` into
     prompts for a model whose tokenizer is in the given directory (its special ids left out of
     the prompts) or whose vocabulary has the given size. ``families`` keeps that share of the
-    trace's prefix families (:func:`in_family_sample`), whole: a trace's reuse is mostly across
+    trace's prefix families (:func:`in_family_sample`), whole, before ``limit`` keeps the first
+    of the rows sampled (in file order; ``skip`` still counts the file's rows): a trace's reuse is mostly across
     minutes (the example's first 48 rows share nothing, its whole 64% of blocks), which a run of
     its first rows never sees and a sample of families over the whole trace keeps, at a rate a
     small machine serves."""
     if families is not None and not (isinstance(families, (int, float)) and 0 < families <= 1):
         raise ValueError(f"trace families must be a share in (0, 1], got {families!r}")
     vocab, special = _vocabulary(tokenizer_dir_or_vocab)
-    loaded = load_trace(path, limit=limit, skip=skip, source_block=scale.source_block)
-    if families is not None:
-        loaded = [r for r in loaded if in_family_sample(r, families, seed)]
+    if families is None:
+        loaded = load_trace(path, limit=limit, skip=skip, source_block=scale.source_block)
+    else:
+        every = load_trace(path, skip=skip, source_block=scale.source_block)
+        loaded = [r for r in sorted(every, key=lambda r: r.line) if in_family_sample(r, families, seed)]
         if not loaded:
             raise ValueError(f"{path}: no prefix family falls in a sample of {families:g} of them")
+        loaded = sorted(loaded[:limit], key=lambda r: r.timestamp_ms)
     cap = scale.max_input_tokens
     rows = [r for r in loaded if cap is None or scaled_input_length(r, scale) <= cap]
     if not rows:

@@ -49,7 +49,12 @@ _TENANT = re.compile(r"[\x20-\x7e]{0,64}")
 
 
 class HintError(ValueError):
-    """A malformed hint; the message names the field (``kv_transfer_params.kvtier.<field>``)."""
+    """A malformed hint; the message names the field (``kv_transfer_params.kvtier.<field>``),
+    :attr:`field` is that path alone (an API error's ``param``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,8 @@ def _seconds(raw: dict[str, object], name: str, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not 0 <= value <= MAX_HINT_S:
-        raise HintError(f"{where}.{name} must be a number of seconds from 0 to {MAX_HINT_S:.0f}, got {value!r}")
+        raise HintError(f"{where}.{name} must be a number of seconds from 0 to {MAX_HINT_S:.0f}, got {value!r}",
+                        f"{where}.{name}")
     return float(value)
 
 
@@ -91,28 +97,29 @@ def parse_hint(raw: object, where: str = "kv_transfer_params.kvtier", *, interna
     ``tenant``."""
     if not isinstance(raw, dict):
         raise HintError(f"{where} must be an object with a session (or the string \"skip\"), "
-                        f"got {type(raw).__name__}")
+                        f"got {type(raw).__name__}", where)
     known = (*_FIELDS, "tenant") if internal else _FIELDS
     unknown = sorted(str(k) for k in raw if k not in known)
     if unknown:
-        raise HintError(f"{where}.{unknown[0]} is not a hint field (known: {', '.join(known)})")
+        raise HintError(f"{where}.{unknown[0]} is not a hint field (known: {', '.join(known)})",
+                        f"{where}.{unknown[0]}")
     session = raw.get("session")
     if not isinstance(session, str) or not _SESSION.fullmatch(session):
         raise HintError(f"{where}.session must be 1-128 printable ASCII characters without spaces, "
-                        f"got {session!r}")
+                        f"got {session!r}", f"{where}.session")
     retain = _seconds(raw, "retain_s", where)
     back = _seconds(raw, "return_s", where)
     done = raw.get("done", False)
     if not isinstance(done, bool):
-        raise HintError(f"{where}.done must be true or false, got {done!r}")
+        raise HintError(f"{where}.done must be true or false, got {done!r}", f"{where}.done")
     if done and (retain or back is not None):
-        raise HintError(f"{where}.done: a finished session has no retain_s or return_s")
+        raise HintError(f"{where}.done: a finished session has no retain_s or return_s", f"{where}.done")
     if retain is None:
         retain = DEFAULT_RETAIN_S if back is not None else 0.0
     if back is not None and back > retain:
         raise HintError(f"{where}.return_s ({back:g}) must be at most retain_s ({retain:g}): "
-                        "a session expected back after its chunks may go is not retained")
+                        "a session expected back after its chunks may go is not retained", f"{where}.return_s")
     tenant = raw.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not _TENANT.fullmatch(tenant)):
-        raise HintError(f"{where}.tenant must be 0-64 printable ASCII characters, got {tenant!r}")
+        raise HintError(f"{where}.tenant must be 0-64 printable ASCII characters, got {tenant!r}", f"{where}.tenant")
     return SessionHint(session, retain, back, done, tenant)

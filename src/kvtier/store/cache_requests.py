@@ -104,10 +104,16 @@ class CacheRequests:
     # -- session hints ------------------------------------------------------------------------
     def _hinted(self, seq: int, keys: Sequence[ChunkKey], hint: SessionHint, tenant: str | None,
                 entry: Shape | None) -> None:
-        """Request ``seq`` carries ``hint`` (under the lock). Its quota is the hint's tenant's,
-        else the request's (``tenant``), else the shared tenant's."""
+        """Request ``seq`` carries ``hint`` (under the lock). Its session and quota are the
+        request's tenant's (``tenant``, the one its keys are under, which the daemon checked the
+        caller may use; else the shared tenant's), within it the hint's ``tenant`` (a
+        ``cache_salt``) when it has one: a salt never reaches another tenant's sessions or
+        quota."""
         chunk = entry or self.config.chunk
-        self.sessions.hinted(seq, keys, hint, hint.tenant if hint.tenant is not None else tenant or "",
+        scope = tenant or ""
+        if hint.tenant is not None:
+            scope = f"{scope}\x00{hint.tenant}"
+        self.sessions.hinted(seq, keys, hint, scope,
                              weight=chunk.nbytes if chunk is not None else NOMINAL_CHUNK_BYTES,
                              entry=entry, key_tenant=tenant)
         if self._ticks is None and not self._closed:

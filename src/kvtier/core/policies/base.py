@@ -71,8 +71,8 @@ class TierContext:
     costs_known: bool = True
     """Whether ``compute`` and ``chunk_load_s`` are the served model's and the tier's. A live
     store serves any model on any machine (its compute model is a nominal 8B model on an
-    accelerator, its chunk a nominal size): a difference between two such guesses may order
-    chunks, but never keeps a chunk out of a tier."""
+    accelerator, its chunk a nominal size): the difference of two such guesses decides
+    nothing, so there a hit saves its chunk's nominal recompute, whatever tier it is in."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.level, int) or self.level < 0:
@@ -83,8 +83,11 @@ class TierContext:
             raise ValueError(f"TierContext.chunk_tokens must be a positive int, got {self.chunk_tokens!r}")
 
     def miss_saving_s(self, position: int) -> float:
-        """Prefill time a hit on chunk ``position`` in this tier saves (never negative)."""
+        """Prefill time a hit on chunk ``position`` in this tier saves (never negative; its
+        recompute alone where the costs are nominal, :attr:`costs_known`)."""
         recompute = self.compute.chunk_recompute_s(position, self.chunk_tokens)
+        if not self.costs_known:
+            return recompute
         return max(recompute - self.chunk_load_s, 0.0)
 
 

@@ -376,7 +376,7 @@ class ReturnsPolicy(ReturnsModel, ReturnsHeaps, EvictionPolicy):
         if meta is not None and meta.dead:
             return False  # superseded: only the same prompt again would read it
         at = position if position is not None else meta.position if meta is not None else 0
-        if not self._ctx.costs_known or self._ctx.miss_saving_s(at) > 0:
+        if self._ctx.miss_saving_s(at) > 0:
             return True
         if meta is None or meta.group.forgotten:
             return False

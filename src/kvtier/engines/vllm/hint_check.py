@@ -17,7 +17,6 @@ body is read once and handed on as received, streaming replies are not wrapped.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -33,13 +32,13 @@ Send = Callable[[Message], Awaitable[None]]
 CHECKED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_BODY = 64 << 20
 """Bodies larger than this are passed on unchecked (vLLM applies its own limits)."""
-_FIELD = re.compile(r"^(kv_transfer_params\.kvtier(?:\.\w+)?)")
 
 
 def hint_error(body: bytes) -> HintError | None:
     """The error of the hint in a request body (None: no hint, null, a good one, or not JSON).
-    A body without the word ``"kvtier"`` is not parsed at all (vLLM parses it anyway)."""
-    if b'"kvtier"' not in body:
+    A body without the word ``"kvtier"`` and without escapes (which could spell it) is not
+    parsed at all (vLLM parses it anyway)."""
+    if b'"kvtier"' not in body and b"\\u" not in body:
         return None
     try:
         req = json.loads(body)
@@ -88,9 +87,7 @@ class HintCheck:
 
 
 async def _bad_request(send: Send, error: HintError) -> None:
-    found = _FIELD.match(str(error))
-    body = json.dumps({"error": {"message": str(error), "type": "BadRequestError",
-                                 "param": found.group(1) if found else "kv_transfer_params.kvtier",
+    body = json.dumps({"error": {"message": str(error), "type": "BadRequestError", "param": error.field,
                                  "code": 400}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"),
