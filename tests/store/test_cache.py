@@ -92,20 +92,30 @@ def test_a_slow_remote_round_trip_stalls_nobody_else(layout, valkey_standalone):
         probe.join(30)
 
 
+def daemon_config(layout, tmp_path, **kw) -> CacheConfig:
+    """A daemon's cache (no chunk shape of its own): DRAM for 4 chunks, SSD for 64."""
+    return CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=layout.chunk_bytes),
+                       disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)),
+                       **kw)
+
+
+def save_as_a_daemon(cache: ChunkCache, shape: Shape, keys: list[ChunkKey]) -> None:
+    """One sequence, chunk by chunk, as a daemon saves: reserve, fill, commit, touch."""
+    for i, key in enumerate(keys):
+        res = cache.reserve(key, shape, position=i, remaining=len(keys) - i)
+        assert res is not Slot.HELD and res is not Slot.BUSY
+        res.buffer.fill_(i)
+        cache.commit(res, position=i)
+        cache.touch([key], start=i)
+    assert cache.flush()
+
+
 def test_the_daemon_path_and_recovery_give_the_policy_every_chunks_position(layout, tmp_path):
     shape = Shape(layout.chunk_bytes, layout.layer_bytes)
-    config = CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=layout.chunk_bytes),
-                         disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)),
-                         policy="cost", write_through=True)
+    config = daemon_config(layout, tmp_path, policy="cost", write_through=True)
     keys = [ChunkKey(bytes([i]) * 16) for i in range(12)]
     with ChunkCache(config) as cache:
-        for i, key in enumerate(keys):  # as a daemon does: reserve, fill, commit, touch
-            res = cache.reserve(key, shape, position=i, remaining=len(keys) - i)
-            assert res is not Slot.HELD and res is not Slot.BUSY
-            res.buffer.fill_(i)
-            cache.commit(res, position=i)
-            cache.touch([key], start=i)
-        assert cache.flush()
+        save_as_a_daemon(cache, shape, keys)
         policy = cache.placement.policies[0].inner  # (under the session hints' wrapper)
         assert all(math.isfinite(p) for p in policy._resident.values())
         assert math.isfinite(policy._inflation)
@@ -123,20 +133,11 @@ def test_a_daemon_with_returns_demotes_what_dram_evicts_to_ssd(layout, tmp_path)
     than a recompute and kept every chunk of an irregular session off SSD (none demoted, 42% of
     an agent benchmark's history recomputed). Guesses may order chunks, never refuse a tier."""
     shape = Shape(layout.chunk_bytes, layout.layer_bytes)
-    config = CacheConfig(host=HostTierConfig(4 * layout.chunk_bytes, extent_bytes=layout.chunk_bytes),
-                         disk=DiskTierConfig(str(tmp_path), 64 * (header_len_for(layout.num_layers) + layout.chunk_bytes)),
-                         policy="returns")
     keys = [ChunkKey(bytes([i]) * 16) for i in range(12)]
-    with ChunkCache(config) as cache:
+    with ChunkCache(daemon_config(layout, tmp_path, policy="returns")) as cache:
         contexts = [p.inner._ctx for p in cache.placement.policies]
         assert not any(c.costs_known for c in contexts) and all(c.miss_saving_s(0) > 0 for c in contexts)
-        for i, key in enumerate(keys):  # one sequence, saved as a daemon saves: DRAM holds 4
-            res = cache.reserve(key, shape, position=i, remaining=len(keys) - i)
-            assert res is not Slot.HELD and res is not Slot.BUSY
-            res.buffer.fill_(i)
-            cache.commit(res, position=i)
-            cache.touch([key], start=i)
-        assert cache.flush()
+        save_as_a_daemon(cache, shape, keys)  # DRAM holds 4
         assert sum(cache.disk.position_of(k) is not None for k in keys) >= len(keys) - 4
 
 

@@ -3,7 +3,7 @@ vLLM's and kvtier's settings, the configurations and peers compared, and how the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 __all__ = ["AGENT_DEFAULTS", "CONFIGS", "PEERS", "WORKLOADS", "ServeBenchConfig"]
 
@@ -94,9 +94,8 @@ class ServeBenchConfig:
         if self.trace_families is not None and not 0 < self.trace_families <= 1:
             raise ValueError(f"bench serve trace_families must be in (0, 1], got {self.trace_families}")
         if self.trace is None:
-            given = [name for name, default in (("trace_block_tokens", 16), ("trace_time_scale", 1.0),
-                                                ("trace_limit", None), ("trace_max_output", None),
-                                                ("trace_families", None)) if getattr(self, name) != default]
+            given = [f.name for f in fields(self)
+                     if f.name.startswith("trace_") and getattr(self, f.name) != f.default]
             if given:
                 raise ValueError(f"bench serve {', '.join(given)} need a trace (--trace FILE)")
         if self.think_s < 0 or self.skip < 0:

@@ -83,12 +83,16 @@ class TierContext:
             raise ValueError(f"TierContext.chunk_tokens must be a positive int, got {self.chunk_tokens!r}")
 
     def miss_saving_s(self, position: int) -> float:
-        """Prefill time a hit on chunk ``position`` in this tier saves (never negative; its
-        recompute alone where the costs are nominal, :attr:`costs_known`)."""
-        recompute = self.compute.chunk_recompute_s(position, self.chunk_tokens)
+        """Prefill time a hit on chunk ``position`` in this tier saves (:meth:`hit_saving_s` of
+        its recompute)."""
+        return self.hit_saving_s(self.compute.chunk_recompute_s(position, self.chunk_tokens))
+
+    def hit_saving_s(self, miss_s: float) -> float:
+        """What a hit in this tier saves of a miss that costs ``miss_s``: that less the tier's
+        read, never negative; ``miss_s`` itself where the costs are nominal (:attr:`costs_known`)."""
         if not self.costs_known:
-            return recompute
-        return max(recompute - self.chunk_load_s, 0.0)
+            return miss_s
+        return max(miss_s - self.chunk_load_s, 0.0)
 
 
 class EvictionPolicy(ABC):

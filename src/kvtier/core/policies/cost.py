@@ -189,8 +189,7 @@ class CostPolicy(EvictionPolicy):
               use: int | None = None) -> None:
         if not keys:
             return
-        declared = None if cost_s is None else \
-            cost_s if not self._ctx.costs_known else max(cost_s - self._ctx.chunk_load_s, 0.0)
+        declared = None if cost_s is None else self._ctx.hit_saving_s(cost_s)
         if use is not None:
             epoch = use + 1  # the numbering of begin(): a request's touches are one use
         elif self._epochs_from_begin:
